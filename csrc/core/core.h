@@ -1,0 +1,360 @@
+/* core.h - internal declarations shared by the C core: results and check macros,
+ * logging, parameters, dtype helpers, reduction kernels, the transport vtable and
+ * the communicator/operation structures. Not installed; not part of the public API. */
+#ifndef CHORUS_CORE_H
+#define CHORUS_CORE_H
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "chorus.h"
+
+/* ------------------------------------------------------------------ logging (log.c) */
+enum log_level { LOG_NONE = 0, LOG_WARN = 1, LOG_INFO = 2, LOG_TRACE = 3 };
+enum log_subsys {
+  SUB_INIT = 1 << 0,
+  SUB_COLL = 1 << 1,
+  SUB_TRANSPORT = 1 << 2,
+  SUB_NET = 1 << 3,
+  SUB_SHM = 1 << 4,
+  SUB_TUNE = 1 << 5,
+  SUB_ALLOC = 1 << 6,
+  SUB_P2P = 1 << 7,
+  SUB_ALL = 0xff
+};
+/* Lines look like "host:pid:rank chorus LEVEL SUBSYS message". rank < 0 prints "-". */
+void chorus_log(int level, int subsys, int rank, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+int chorus_log_enabled(int level, int subsys);
+#define WARN(rank, ...) chorus_log(LOG_WARN, SUB_ALL, (rank), __VA_ARGS__)
+#define INFO(sub, rank, ...)                                                                 \
+  do {                                                                                       \
+    if (chorus_log_enabled(LOG_INFO, (sub))) chorus_log(LOG_INFO, (sub), (rank), __VA_ARGS__); \
+  } while (0)
+#define TRACE(sub, rank, ...)                                                                  \
+  do {                                                                                         \
+    if (chorus_log_enabled(LOG_TRACE, (sub))) chorus_log(LOG_TRACE, (sub), (rank), __VA_ARGS__); \
+  } while (0)
+
+/* ------------------------------------------------------------- parameters (param.c) */
+/* X(ID, NAME, TYPE, DEFAULT, NCCL_FALLBACK, DOC). TYPE is one of int, size, bool, string.
+ * size accepts K/M/G suffixes (powers of 1024). The README table is printed from this. */
+#define CHORUS_PARAM_TABLE(X)                                                                 \
+  X(DEBUG, "DEBUG", "string", "WARN", 1, "Log level: NONE, WARN, INFO or TRACE.")              \
+  X(DEBUG_SUBSYS, "DEBUG_SUBSYS", "string", "ALL", 1,                                         \
+    "Comma list of subsystems to log (INIT,COLL,TRANSPORT,NET,SHM,TUNE,ALLOC,P2P or ALL); "   \
+    "^ in front excludes.")                                                                    \
+  X(DEBUG_FILE, "DEBUG_FILE", "string", "", 1,                                                \
+    "Write the log to this file instead of stderr; %h is replaced by the host name, %p by "  \
+    "the pid.")                                                                               \
+  X(TIMEOUT, "TIMEOUT", "int", "0", 0,                                                        \
+    "Seconds any wait may last before the operation fails; 0 takes the process group's "      \
+    "timeout (or 1800 s for pure-C users who pass none).")                                    \
+  X(BUFFSIZE, "BUFFSIZE", "size", "4M", 1,                                                    \
+    "Bytes of the staging ring of each connection and direction (shared memory and "          \
+    "sockets).")                                                                               \
+  X(SHM_DISABLE, "SHM_DISABLE", "bool", "0", 1,                                               \
+    "1 disables the shared-memory transport: ranks on one host talk over TCP sockets.")       \
+  X(SOCKET_IFNAME, "SOCKET_IFNAME", "string", "", 1,                                          \
+    "Network interfaces to use for sockets between hosts: prefix list, ^ to exclude, = for "  \
+    "an exact name. Empty: the first interface that is up and not loopback.")                 \
+  X(SPIN_COUNT, "SPIN_COUNT", "int", "2000", 0,                                               \
+    "Polls of an idle connection before the waiting thread yields the core, then sleeps.")    \
+  X(SOCKET_SNDBUF, "SOCKET_SNDBUF", "size", "0", 0,                                          \
+    "SO_SNDBUF/SO_RCVBUF for data sockets; 0 leaves the kernel's autotuning.")
+
+enum param_id {
+#define X_ENUM(ID, NAME, TYPE, DEF, NCCL, DOC) PARAM_##ID,
+  CHORUS_PARAM_TABLE(X_ENUM)
+#undef X_ENUM
+  PARAM_COUNT
+};
+/* Values are read from the environment once (first use) and cached. */
+int64_t param_int(enum param_id id);       /* int, size and bool parameters */
+const char *param_str(enum param_id id);   /* string parameters; never NULL */
+/* Parsers, exposed for unit tests and fuzzing. Return 0 on success, -1 on bad input. */
+int param_parse_int(const char *s, int64_t *out);
+int param_parse_size(const char *s, int64_t *out);
+int param_parse_bool(const char *s, int64_t *out);
+/* Re-reads the environment (tests only). */
+void param_reset_cache(void);
+
+/* ------------------------------------------------------ results and checks */
+/* Internal error reporting: record a formatted message into the communicator's error
+ * buffer (first error wins) and return res. */
+struct chorus_comm;
+chorus_result_t comm_set_error(struct chorus_comm *comm, chorus_result_t res, const char *fmt,
+                               ...) __attribute__((format(printf, 3, 4)));
+
+#define CHECK(call)                                 \
+  do {                                              \
+    chorus_result_t res_ = (call);                  \
+    if (res_ != CHORUS_SUCCESS) return res_;        \
+  } while (0)
+#define CHECK_GOTO(call, res, label)                \
+  do {                                              \
+    (res) = (call);                                 \
+    if ((res) != CHORUS_SUCCESS) goto label;        \
+  } while (0)
+
+/* ------------------------------------------------------ dtypes and reductions (reduce.c) */
+static inline size_t dtype_size(chorus_dtype_t d) {
+  static const size_t sz[CHORUS_DTYPE_COUNT] = {1, 1, 2, 4, 8, 2, 2, 4, 8, 1};
+  return (unsigned)d < CHORUS_DTYPE_COUNT ? sz[d] : 0;
+}
+/* Is op valid for dtype (BAND/BOR/BXOR only on integers and bool)? */
+bool reduce_op_supported(chorus_dtype_t dtype, chorus_op_kind_t op);
+/* out[i] = op(in[0][i], in[1][i], ..., in[n-1][i]) for i < count, combining inputs in
+ * the order given. fp16/bf16 accumulate in float32, float32 in float64, so the result is
+ * rounded once. out may alias any in[k]. AVG and PREMUL_SUM are not handled here: they
+ * are SUM plus reduce_scale / reduce_premul. bool: SUM/MAX/BOR = or, PROD/MIN/BAND = and,
+ * BXOR = xor. n >= 1. */
+void reduce_n(void *out, const void *const *in, int n, size_t count, chorus_dtype_t dtype,
+              chorus_op_kind_t op);
+/* out[i] = in[i] * factor (rounded to dtype); integers: truncated toward zero after the
+ * multiplication in double. out may equal in. */
+void reduce_premul(void *out, const void *in, size_t count, chorus_dtype_t dtype,
+                   double factor);
+/* buf[i] = buf[i] / divisor: floats divide in their accumulator type, integers truncate. */
+void reduce_divide(void *buf, size_t count, chorus_dtype_t dtype, int divisor);
+float half_to_float(uint16_t h);
+uint16_t float_to_half(float f);     /* round to nearest even */
+float bf16_to_float(uint16_t b);
+uint16_t float_to_bf16(float f);     /* round to nearest even, NaN preserved */
+
+/* ------------------------------------------------------ monotonic time (engine.c) */
+int64_t now_ns(void);
+
+/* ------------------------------------------------------ transports */
+/* A connection is one ordered byte stream in each direction between two ranks. The
+ * sending side writes through reserve/commit, the receiving side reads through
+ * peek/consume; both are non-blocking and may return 0 bytes. Transports never
+ * interpret the bytes. Every call returns CHORUS_SUCCESS or an error that the
+ * transport has already described with comm_set_error (peer named). */
+typedef struct conn conn_t;
+struct pollfd;
+struct transport_ops {
+  const char *name;
+  /* Contiguous writable space at the tail of the outgoing stream (len may be 0). */
+  chorus_result_t (*reserve)(conn_t *c, void **ptr, size_t *len);
+  chorus_result_t (*commit)(conn_t *c, size_t len);
+  /* Contiguous readable bytes at the head of the incoming stream (len may be 0). */
+  chorus_result_t (*peek)(conn_t *c, const void **ptr, size_t *len);
+  chorus_result_t (*consume)(conn_t *c, size_t len);
+  /* Move bytes (sockets do their system calls here) and check the peer is alive.
+   * *progressed is set to 1 if any byte moved. */
+  chorus_result_t (*progress)(conn_t *c, int *progressed);
+  /* For poll(): fill *pfd and return 1, or return 0 if this transport has no fd. */
+  int (*pollfd)(conn_t *c, struct pollfd *pfd);
+  void (*close)(conn_t *c);
+};
+struct conn {
+  const struct transport_ops *ops;
+  struct chorus_comm *comm;
+  int peer;          /* rank of the other side in comm */
+  int channel;       /* CHAN_COLL or CHAN_P2P */
+};
+enum { CHAN_COLL = 0, CHAN_P2P = 1, CHAN_COUNT = 2 };
+
+/* Per-peer facts exchanged at init (bootstrap all-gather). */
+#define HOSTID_LEN 96
+#define ADDR_LEN 64
+struct peer_info {
+  char hostid[HOSTID_LEN];   /* hostname + boot id */
+  int32_t pid;
+  int32_t shm_ok;            /* shared memory usable by this rank */
+  char sock_addr[ADDR_LEN];  /* "ip:port" of its listening socket, "" if none */
+  char hostname[64];
+};
+
+/* shm.c */
+struct shm_state;
+chorus_result_t shm_setup(struct chorus_comm *comm);  /* connects every same-host peer */
+void shm_teardown(struct chorus_comm *comm);
+/* Futex word of this rank; rung by peers when they write to or read from us. */
+void shm_wait_doorbell(struct chorus_comm *comm, uint32_t seen, int timeout_us);
+uint32_t shm_doorbell_value(struct chorus_comm *comm);
+void shm_ring_own_doorbell(struct chorus_comm *comm);
+/* Tells every local peer that this rank failed (they fail their waits at once). */
+void shm_publish_error(struct chorus_comm *comm, const char *msg);
+
+/* socket.c */
+struct sock_state;
+/* Opens the listening socket, chooses the interface; fills info->sock_addr. */
+chorus_result_t socket_listen(struct chorus_comm *comm, struct peer_info *info);
+/* Connects (CHAN_COUNT connections) to every peer p with comm->conns[c][p] still NULL
+ * and p != rank, authenticating with comm->secret; closes the listener afterwards. */
+chorus_result_t socket_connect_all(struct chorus_comm *comm);
+void socket_teardown(struct chorus_comm *comm);
+
+/* ------------------------------------------------------ bootstrap (bootstrap.c) */
+/* Key/value helpers that prefix keys with comm->prefix. */
+chorus_result_t bs_set(struct chorus_comm *comm, const char *key, const void *val, size_t len);
+chorus_result_t bs_get(struct chorus_comm *comm, const char *key, void *buf, size_t len);
+/* Every rank contributes len bytes; out holds nranks * len bytes in rank order. */
+chorus_result_t bs_allgather(struct chorus_comm *comm, const char *tag, const void *mine,
+                             void *out, size_t len);
+chorus_result_t bs_barrier(struct chorus_comm *comm, const char *tag);
+
+/* ------------------------------------------------------ operations and requests */
+enum op_kind {
+  OP_ALLREDUCE = 0,
+  OP_BROADCAST,
+  OP_REDUCE,
+  OP_ALLGATHER,
+  OP_REDUCE_SCATTER,
+  OP_GATHER,
+  OP_SCATTER,
+  OP_ALLTOALL,
+  OP_BARRIER,
+  OP_SEND,
+  OP_RECV,
+  OP_KIND_COUNT
+};
+const char *op_kind_name(enum op_kind k);
+
+enum req_state { REQ_QUEUED = 0, REQ_STARTED = 1, REQ_DONE = 2 };
+struct chorus_request {
+  _Atomic int refs;           /* user + engine */
+  _Atomic int state;
+  chorus_result_t result;
+  uint64_t seq;
+  int source;
+  char error[512];
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  void (*cb)(void *, chorus_result_t);
+  void *cb_arg;
+  struct chorus_comm *comm;
+};
+
+struct op {
+  enum op_kind kind;
+  uint64_t seq;               /* collectives: comm sequence; p2p: per-peer message index */
+  const void *sendbuf;
+  void *recvbuf;
+  size_t count;               /* elements (per-rank count where counts is NULL) */
+  chorus_dtype_t dtype;
+  chorus_redop_t op;
+  int root;                   /* root, or peer for send/recv */
+  int tag;
+  size_t *counts;             /* v-variants: nranks entries (owned) */
+  size_t *displs;             /* nranks entries (owned) */
+  size_t *counts2;            /* alltoallv receive side (owned) */
+  size_t *displs2;
+  chorus_request_t *req;
+  int64_t deadline_ns;        /* set when the op starts */
+  size_t done_bytes;          /* p2p progress */
+  int hdr_done;               /* p2p: header sent/received */
+  struct op *next;
+};
+
+/* ------------------------------------------------------ the communicator */
+struct chorus_comm {
+  int rank, nranks;
+  chorus_bootstrap_t bs;
+  int bs_owner;               /* release bs when destroyed */
+  char prefix[96];            /* bootstrap key prefix of this communicator */
+  char name[64];
+  int timeout_ms;
+  uint64_t nsplits;
+  uint8_t secret[32];         /* per-communicator secret from the store */
+  uint64_t job_nonce;         /* random, names shm segments */
+
+  struct peer_info *peers;    /* nranks entries */
+  int nlocal;                 /* ranks on this host (this one included) */
+  int *local_rank_of;         /* rank -> index among local ranks, -1 if remote */
+  conn_t **conns[CHAN_COUNT]; /* [channel][peer], NULL for self */
+  struct shm_state *shm;
+  struct sock_state *sock;
+
+  /* engine */
+  pthread_t thread;
+  int thread_started;
+  pthread_mutex_t mu;
+  pthread_cond_t idle_cv;
+  struct op *queue_head, *queue_tail;   /* collectives, run in order */
+  struct op *p2p_incoming;              /* posted p2p ops not yet taken by the engine */
+  struct op **p2p_send, **p2p_recv;     /* per peer FIFO heads (engine thread only) */
+  struct op *p2p_any;                   /* receives from CHORUS_ANY_SOURCE */
+  uint64_t *p2p_send_seq, *p2p_recv_seq;
+  _Atomic uint64_t seq;                 /* next collective sequence number */
+  _Atomic int stop;                     /* destroy: engine exits when the queue drains */
+  _Atomic int aborted;
+  _Atomic int failed;                   /* error recorded; every op fails */
+  _Atomic uint32_t local_doorbell;      /* wake word when no shm segment exists */
+  int wake_fd;                          /* eventfd, written on enqueue (sockets poll it) */
+  chorus_result_t err;
+  char errbuf[1024];
+  pthread_mutex_t err_mu;
+  struct op *current;                   /* op the engine runs now (for error text) */
+  void *engine_priv;                    /* engine.c's per-peer p2p state */
+  uint32_t db_seen;                     /* doorbell value at the last progress check */
+};
+
+/* engine.c */
+chorus_result_t engine_start(struct chorus_comm *comm);
+void engine_stop(struct chorus_comm *comm, int abort_now);
+chorus_result_t engine_submit(struct chorus_comm *comm, struct op *op, chorus_request_t **req);
+/* One turn of waiting inside an operation: progresses every connection and pending p2p
+ * op, sleeps when nothing moves, checks deadline / abort / failure. Returns an error if
+ * the current op must stop. */
+chorus_result_t engine_poll(struct chorus_comm *comm, struct op *op, int *idle_iters);
+void engine_wake(struct chorus_comm *comm);
+
+/* msg.c: framed messages on a connection. Each message is a 32-byte header followed by
+ * the payload, padded to 16 bytes so every payload starts 16-byte aligned in the stream. */
+#define MSG_MAGIC 0x43485231u  /* "CHR1" */
+struct msg_hdr {
+  uint32_t magic;
+  uint32_t seq;
+  uint8_t kind;
+  uint8_t dtype;
+  uint8_t redop;
+  uint8_t flags;
+  int32_t root;              /* root, or tag for p2p */
+  uint64_t count;            /* elements of the whole operation on the sender */
+  uint64_t len;              /* payload bytes of this message */
+};
+/* Sending state of one message. */
+struct msg_tx {
+  conn_t *c;
+  struct msg_hdr hdr;
+  const uint8_t *buf;
+  size_t len, pos;           /* pos counts header + payload + padding bytes written */
+  int done;
+};
+struct msg_rx {
+  conn_t *c;
+  struct msg_hdr expect;     /* what this rank expects (len checked exactly) */
+  struct msg_hdr got;
+  size_t hdr_pos;
+  size_t len, pos;           /* payload bytes expected / consumed */
+  int hdr_ok, done;
+};
+void msg_tx_init(struct msg_tx *tx, conn_t *c, const struct op *op, const void *buf, size_t len);
+void msg_rx_init(struct msg_rx *rx, conn_t *c, const struct op *op, size_t len);
+/* Writes as much as possible; sets tx->done at the end. */
+chorus_result_t msg_tx_progress(struct msg_tx *tx, int *progressed);
+/* Copies as much as possible into dst (payload offset rx->pos); sets rx->done. */
+chorus_result_t msg_rx_copy(struct msg_rx *rx, void *dst, int *progressed);
+/* Zero-copy access: after the header is validated, the contiguous payload bytes
+ * available now (at most the remaining payload). */
+chorus_result_t msg_rx_peek(struct msg_rx *rx, const void **ptr, size_t *len);
+chorus_result_t msg_rx_consume(struct msg_rx *rx, size_t len);
+/* Reads just the header if available (for p2p matching); *ready = 1 once read. */
+chorus_result_t msg_rx_header(struct msg_rx *rx, int *ready);
+
+/* algo/ files: each collective's schedule. Run on the engine thread. */
+chorus_result_t algo_run(struct chorus_comm *comm, struct op *op);
+/* p2p progress (engine.c) */
+chorus_result_t p2p_progress(struct chorus_comm *comm, int *progressed);
+
+/* Error text helpers: "all_reduce seq 12 rank 3" etc. */
+int op_describe(const struct op *op, char *buf, size_t cap);
+
+#endif /* CHORUS_CORE_H */

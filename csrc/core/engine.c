@@ -1,0 +1,594 @@
+/* engine.c - the progress engine: one thread per communicator runs collectives in issue
+ * order and progresses point-to-point messages beside them; requests, waiting (spin, then
+ * yield, then sleep on the doorbell futex or poll), deadlines and failure propagation. */
+#include <errno.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "core.h"
+
+int64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+const char *op_kind_name(enum op_kind k) {
+  static const char *names[OP_KIND_COUNT] = {
+      "all_reduce", "broadcast", "reduce",  "all_gather", "reduce_scatter", "gather",
+      "scatter",    "all_to_all", "barrier", "send",       "recv"};
+  return (unsigned)k < OP_KIND_COUNT ? names[k] : "unknown";
+}
+
+int op_describe(const struct op *op, char *buf, size_t cap) {
+  if (!op) return snprintf(buf, cap, "(no operation)");
+  if (op->kind == OP_SEND || op->kind == OP_RECV)
+    return snprintf(buf, cap, "%s #%llu %s %d tag %d (%zu x %s)", op_kind_name(op->kind),
+                    (unsigned long long)op->seq, op->kind == OP_SEND ? "to" : "from", op->root,
+                    op->tag, op->count, chorus_dtype_name(op->dtype));
+  return snprintf(buf, cap, "%s seq %llu (%zu x %s)", op_kind_name(op->kind),
+                  (unsigned long long)op->seq, op->count, chorus_dtype_name(op->dtype));
+}
+
+/* ---------------------------------------------------------------- requests */
+static chorus_request_t *req_new(struct chorus_comm *comm, uint64_t seq) {
+  chorus_request_t *r = calloc(1, sizeof(*r));
+  if (!r) return NULL;
+  atomic_init(&r->refs, 2);
+  atomic_init(&r->state, REQ_QUEUED);
+  r->seq = seq;
+  r->source = -1;
+  r->comm = comm;
+  pthread_mutex_init(&r->mu, NULL);
+  pthread_cond_init(&r->cv, NULL);
+  return r;
+}
+
+static void req_unref(chorus_request_t *r) {
+  if (atomic_fetch_sub(&r->refs, 1) == 1) {
+    pthread_mutex_destroy(&r->mu);
+    pthread_cond_destroy(&r->cv);
+    free(r);
+  }
+}
+
+static void req_complete(chorus_request_t *r, chorus_result_t res, const char *msg) {
+  void (*cb)(void *, chorus_result_t);
+  void *arg;
+  pthread_mutex_lock(&r->mu);
+  r->result = res;
+  if (res != CHORUS_SUCCESS) snprintf(r->error, sizeof r->error, "%s", msg ? msg : "");
+  atomic_store(&r->state, REQ_DONE);
+  cb = r->cb;
+  arg = r->cb_arg;
+  r->cb = NULL;
+  pthread_cond_broadcast(&r->cv);
+  pthread_mutex_unlock(&r->mu);
+  if (cb) cb(arg, res);
+  req_unref(r);
+}
+
+chorus_result_t chorus_test(chorus_request_t *req, int *done) {
+  if (!req || !done) return CHORUS_ERR_INVALID;
+  *done = atomic_load(&req->state) == REQ_DONE;
+  return *done ? req->result : CHORUS_SUCCESS;
+}
+
+chorus_result_t chorus_wait(chorus_request_t *req, int timeout_ms) {
+  if (!req) return CHORUS_ERR_INVALID;
+  if (atomic_load(&req->state) == REQ_DONE) return req->result;
+  pthread_mutex_lock(&req->mu);
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  int64_t end = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec + (int64_t)timeout_ms * 1000000LL;
+  while (atomic_load(&req->state) != REQ_DONE) {
+    if (timeout_ms < 0) {
+      pthread_cond_wait(&req->cv, &req->mu);
+    } else {
+      struct timespec dl = {.tv_sec = end / 1000000000LL, .tv_nsec = end % 1000000000LL};
+      if (pthread_cond_timedwait(&req->cv, &req->mu, &dl) == ETIMEDOUT &&
+          atomic_load(&req->state) != REQ_DONE) {
+        pthread_mutex_unlock(&req->mu);
+        return CHORUS_INPROGRESS;
+      }
+    }
+  }
+  pthread_mutex_unlock(&req->mu);
+  return req->result;
+}
+
+chorus_result_t chorus_request_on_complete(chorus_request_t *req,
+                                           void (*fn)(void *arg, chorus_result_t res),
+                                           void *arg) {
+  if (!req || !fn) return CHORUS_ERR_INVALID;
+  pthread_mutex_lock(&req->mu);
+  if (req->cb) {
+    pthread_mutex_unlock(&req->mu);
+    return CHORUS_ERR_INVALID;
+  }
+  if (atomic_load(&req->state) == REQ_DONE) {
+    pthread_mutex_unlock(&req->mu);
+    fn(arg, req->result);
+    return CHORUS_SUCCESS;
+  }
+  req->cb = fn;
+  req->cb_arg = arg;
+  pthread_mutex_unlock(&req->mu);
+  return CHORUS_SUCCESS;
+}
+
+const char *chorus_request_error(chorus_request_t *req) {
+  if (!req || atomic_load(&req->state) != REQ_DONE) return "";
+  return req->error;
+}
+uint64_t chorus_request_seq(const chorus_request_t *req) { return req ? req->seq : 0; }
+int chorus_request_source(const chorus_request_t *req) { return req ? req->source : -1; }
+void chorus_request_free(chorus_request_t *req) {
+  if (req) req_unref(req);
+}
+
+/* ---------------------------------------------------------------- ops */
+static void op_free(struct op *op) {
+  free(op->counts);
+  free(op->displs);
+  free(op->counts2);
+  free(op->displs2);
+  free(op);
+}
+
+static void op_finish(struct chorus_comm *comm, struct op *op, chorus_result_t res) {
+  char msg[1400];
+  msg[0] = 0;
+  if (res != CHORUS_SUCCESS) {
+    pthread_mutex_lock(&comm->err_mu);
+    if (comm->errbuf[0]) snprintf(msg, sizeof msg, "chorus: %s", comm->errbuf);
+    pthread_mutex_unlock(&comm->err_mu);
+    if (!msg[0]) {
+      char d[200];
+      op_describe(op, d, sizeof d);
+      snprintf(msg, sizeof msg, "chorus: %s failed on rank %d: %s", d, comm->rank,
+               chorus_result_string(res));
+    }
+  }
+  req_complete(op->req, res, msg);
+  op_free(op);
+}
+
+/* Per-peer point-to-point state: the head send and the head (or any-source) receive. */
+struct p2p_peer {
+  struct msg_tx tx;
+  struct op *tx_op;
+  struct msg_rx rx;
+  struct op *rx_op;   /* op bound to rx (after the header matched for any-source) */
+  int probing;        /* rx holds a header read for an any-source receive */
+};
+
+static void list_push(struct op **head, struct op *op) {
+  op->next = NULL;
+  while (*head) head = &(*head)->next;
+  *head = op;
+}
+
+static void p2p_take_incoming(struct chorus_comm *comm) {
+  pthread_mutex_lock(&comm->mu);
+  struct op *in = comm->p2p_incoming;
+  comm->p2p_incoming = NULL;
+  pthread_mutex_unlock(&comm->mu);
+  while (in) {
+    struct op *next = in->next;
+    if (in->kind == OP_SEND) list_push(&comm->p2p_send[in->root], in);
+    else if (in->root == CHORUS_ANY_SOURCE) list_push(&comm->p2p_any, in);
+    else list_push(&comm->p2p_recv[in->root], in);
+    in = next;
+  }
+}
+
+static int p2p_pending(struct chorus_comm *comm) {
+  if (comm->p2p_any) return 1;
+  for (int p = 0; p < comm->nranks; p++)
+    if (comm->p2p_send[p] || comm->p2p_recv[p]) return 1;
+  return 0;
+}
+
+static void p2p_fail_all(struct chorus_comm *comm, chorus_result_t res) {
+  struct p2p_peer *st = comm->engine_priv;
+  for (int p = 0; p < comm->nranks; p++) {
+    while (comm->p2p_send[p]) {
+      struct op *o = comm->p2p_send[p];
+      comm->p2p_send[p] = o->next;
+      op_finish(comm, o, res);
+    }
+    while (comm->p2p_recv[p]) {
+      struct op *o = comm->p2p_recv[p];
+      comm->p2p_recv[p] = o->next;
+      op_finish(comm, o, res);
+    }
+    if (st) {
+      st[p].tx_op = NULL;
+      st[p].rx_op = NULL;
+      st[p].probing = 0;
+    }
+  }
+  while (comm->p2p_any) {
+    struct op *o = comm->p2p_any;
+    comm->p2p_any = o->next;
+    op_finish(comm, o, res);
+  }
+}
+
+chorus_result_t p2p_progress(struct chorus_comm *comm, int *progressed) {
+  struct p2p_peer *st = comm->engine_priv;
+  int64_t now = 0;
+  for (int p = 0; p < comm->nranks; p++) {
+    if (p == comm->rank) continue;
+    conn_t *c = comm->conns[CHAN_P2P][p];
+    struct p2p_peer *s = &st[p];
+    /* sends */
+    while (comm->p2p_send[p]) {
+      struct op *o = comm->p2p_send[p];
+      if (s->tx_op != o) {
+        s->tx_op = o;
+        o->seq = comm->p2p_send_seq[p]++;
+        msg_tx_init(&s->tx, c, o, o->sendbuf, o->count * dtype_size(o->dtype));
+        if (!now) now = now_ns();
+        o->deadline_ns = now + (int64_t)comm->timeout_ms * 1000000LL;
+        atomic_store(&o->req->state, REQ_STARTED);
+      }
+      CHECK(msg_tx_progress(&s->tx, progressed));
+      if (!s->tx.done) break;
+      comm->p2p_send[p] = o->next;
+      s->tx_op = NULL;
+      op_finish(comm, o, CHORUS_SUCCESS);
+    }
+    /* receives: bind the head specific receive, or probe for an any-source one */
+    for (;;) {
+      if (!s->rx_op) {
+        struct op *o = comm->p2p_recv[p];
+        if (!o && comm->p2p_any) {
+          /* read the next header from p to see whether it matches an any-source recv */
+          if (!s->probing) {
+            struct op probe = *comm->p2p_any;
+            probe.seq = comm->p2p_recv_seq[p];
+            msg_rx_init(&s->rx, c, &probe, 0);
+            s->probing = 1;
+          }
+          int ready = 0;
+          CHECK(msg_rx_header(&s->rx, &ready));
+          if (!ready) break;
+          /* match the first any-source receive with this tag */
+          struct op **pp = &comm->p2p_any;
+          while (*pp && (*pp)->tag != s->rx.got.root) pp = &(*pp)->next;
+          if (!*pp) break;
+          o = *pp;
+          *pp = o->next;
+          o->next = NULL;
+          o->root = p;
+          o->req->source = p;
+          comm->p2p_recv[p] = o;
+        }
+        if (!o) break;
+        struct msg_hdr got = s->rx.got;
+        size_t hp = s->probing ? s->rx.hdr_pos : 0;
+        o->seq = comm->p2p_recv_seq[p]++;
+        msg_rx_init(&s->rx, c, o, o->count * dtype_size(o->dtype));
+        s->rx.got = got;
+        s->rx.hdr_pos = hp;
+        s->probing = 0;
+        s->rx_op = o;
+        o->req->source = p;
+        if (!now) now = now_ns();
+        o->deadline_ns = now + (int64_t)comm->timeout_ms * 1000000LL;
+        atomic_store(&o->req->state, REQ_STARTED);
+      }
+      struct op *o = s->rx_op;
+      CHECK(msg_rx_copy(&s->rx, o->recvbuf, progressed));
+      if (!s->rx.done) break;
+      comm->p2p_recv[p] = o->next;
+      s->rx_op = NULL;
+      op_finish(comm, o, CHORUS_SUCCESS);
+    }
+  }
+  return CHORUS_SUCCESS;
+}
+
+/* Earliest deadline of the active point-to-point ops, 0 if none. */
+static int64_t p2p_deadline(struct chorus_comm *comm, struct op **which) {
+  struct p2p_peer *st = comm->engine_priv;
+  int64_t d = 0;
+  for (int p = 0; p < comm->nranks; p++) {
+    struct op *o[2] = {st[p].tx_op, st[p].rx_op};
+    for (int k = 0; k < 2; k++)
+      if (o[k] && (d == 0 || o[k]->deadline_ns < d)) {
+        d = o[k]->deadline_ns;
+        *which = o[k];
+      }
+  }
+  return d;
+}
+
+/* ---------------------------------------------------------------- waiting */
+static void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
+static uint32_t doorbell_value(struct chorus_comm *comm) {
+  return comm->shm ? shm_doorbell_value(comm) : atomic_load(&comm->local_doorbell);
+}
+
+void engine_wake(struct chorus_comm *comm) {
+  if (comm->shm) {
+    shm_ring_own_doorbell(comm);
+  } else {
+    atomic_fetch_add(&comm->local_doorbell, 1);
+    syscall(SYS_futex, &comm->local_doorbell, FUTEX_WAKE, 1, NULL, NULL, 0);
+  }
+  if (comm->wake_fd >= 0) {
+    uint64_t one = 1;
+    ssize_t w = write(comm->wake_fd, &one, sizeof one);
+    (void)w;
+  }
+}
+
+/* Sleeps until a peer or the user rings, a socket is ready, or timeout_us passes. */
+static void engine_block(struct chorus_comm *comm, uint32_t seen, int timeout_us) {
+  int nsock = 0;
+  struct pollfd pfd[2 * CHAN_COUNT * 64 + 1];
+  if (comm->sock) {
+    for (int ch = 0; ch < CHAN_COUNT; ch++)
+      for (int p = 0; p < comm->nranks && nsock < (int)(sizeof pfd / sizeof pfd[0]) - 1; p++) {
+        conn_t *c = comm->conns[ch][p];
+        if (c && c->ops->pollfd && c->ops->pollfd(c, &pfd[nsock])) nsock++;
+      }
+  }
+  if (nsock > 0) {
+    int shm_too = comm->shm != NULL;
+    pfd[nsock].fd = comm->wake_fd;
+    pfd[nsock].events = POLLIN;
+    pfd[nsock].revents = 0;
+    int ms = shm_too ? 0 : timeout_us / 1000;
+    int r = poll(pfd, (nfds_t)(nsock + 1), ms > 0 ? ms : (shm_too ? 0 : 1));
+    if (r > 0 && (pfd[nsock].revents & POLLIN)) {
+      uint64_t v;
+      ssize_t rd = read(comm->wake_fd, &v, sizeof v);
+      (void)rd;
+    }
+    if (!shm_too) return;
+    timeout_us = 200; /* shm peers too: short futex sleeps keep sockets polled */
+  }
+  if (comm->shm) {
+    shm_wait_doorbell(comm, seen, timeout_us);
+  } else {
+    struct timespec ts = {.tv_sec = timeout_us / 1000000, .tv_nsec = (timeout_us % 1000000) * 1000L};
+    syscall(SYS_futex, &comm->local_doorbell, FUTEX_WAIT, seen, &ts, NULL, 0);
+  }
+}
+
+static chorus_result_t progress_conns(struct chorus_comm *comm, int *progressed) {
+  for (int ch = 0; ch < CHAN_COUNT; ch++)
+    for (int p = 0; p < comm->nranks; p++) {
+      conn_t *c = comm->conns[ch][p];
+      if (c && c->ops->progress) CHECK(c->ops->progress(c, progressed));
+    }
+  return CHORUS_SUCCESS;
+}
+
+/* Does any connection still hold outgoing bytes (socket tx rings)? They must be
+ * flushed before the engine sleeps, or the peer would wait forever. */
+static int conns_flushing(struct chorus_comm *comm) {
+  if (!comm->sock) return 0;
+  for (int ch = 0; ch < CHAN_COUNT; ch++)
+    for (int p = 0; p < comm->nranks; p++) {
+      conn_t *c = comm->conns[ch][p];
+      struct pollfd pfd;
+      if (c && c->ops->pollfd && c->ops->pollfd(c, &pfd) && (pfd.events & POLLOUT)) return 1;
+    }
+  return 0;
+}
+
+static chorus_result_t failed_result(struct chorus_comm *comm) {
+  return comm->err != CHORUS_SUCCESS ? comm->err : CHORUS_ERR_ABORTED;
+}
+
+chorus_result_t engine_poll(struct chorus_comm *comm, struct op *op, int *idle_iters) {
+  int progressed = 0;
+  if (atomic_load(&comm->failed)) return failed_result(comm);
+  CHECK(progress_conns(comm, &progressed));
+  CHECK(p2p_progress(comm, &progressed));
+  if (progressed) {
+    *idle_iters = 0;
+    comm->db_seen = doorbell_value(comm);
+    return CHORUS_SUCCESS;
+  }
+  int n = ++*idle_iters;
+  int spin = (int)param_int(PARAM_SPIN_COUNT);
+  if (n < spin) {
+    cpu_relax();
+  } else if (n < spin + 64) {
+    sched_yield();
+  } else {
+    int64_t now = now_ns();
+    struct op *late = op;
+    int64_t dl = op ? op->deadline_ns : 0;
+    struct op *p2p_late = NULL;
+    int64_t pdl = p2p_deadline(comm, &p2p_late);
+    if (pdl && (!dl || pdl < dl)) {
+      dl = pdl;
+      late = p2p_late;
+    }
+    if (dl && now > dl) {
+      char d[200];
+      op_describe(late, d, sizeof d);
+      return comm_set_error(comm, CHORUS_ERR_TIMEOUT,
+                            "%s timed out on rank %d after %d ms waiting for %s", d, comm->rank,
+                            comm->timeout_ms, late && late != op ? "its peer" : "peers");
+    }
+    /* sleep longer the longer we have been idle, but stay responsive */
+    int us = n < spin + 200 ? 50 : 2000;
+    engine_block(comm, comm->db_seen, us);
+  }
+  comm->db_seen = doorbell_value(comm);
+  if (atomic_load(&comm->failed)) return failed_result(comm);
+  return CHORUS_SUCCESS;
+}
+
+/* ---------------------------------------------------------------- the thread */
+static void *engine_main(void *arg) {
+  struct chorus_comm *comm = arg;
+  int idle = 0;
+  for (;;) {
+    p2p_take_incoming(comm);
+    pthread_mutex_lock(&comm->mu);
+    struct op *op = comm->queue_head;
+    if (op) {
+      comm->queue_head = op->next;
+      if (!comm->queue_head) comm->queue_tail = NULL;
+      comm->current = op;
+    }
+    int stopping = atomic_load(&comm->stop);
+    pthread_mutex_unlock(&comm->mu);
+
+    if (atomic_load(&comm->failed)) p2p_fail_all(comm, failed_result(comm));
+    if (op) {
+      chorus_result_t res;
+      if (atomic_load(&comm->failed)) {
+        res = failed_result(comm);
+      } else {
+        atomic_store(&op->req->state, REQ_STARTED);
+        op->deadline_ns = now_ns() + (int64_t)comm->timeout_ms * 1000000LL;
+        TRACE(SUB_COLL, comm->rank, "%s seq %llu count %zu %s", op_kind_name(op->kind),
+              (unsigned long long)op->seq, op->count, chorus_dtype_name(op->dtype));
+        res = algo_run(comm, op);
+        if (res != CHORUS_SUCCESS && !atomic_load(&comm->failed)) {
+          char d[200];
+          op_describe(op, d, sizeof d);
+          comm_set_error(comm, res, "%s failed on rank %d: %s", d, comm->rank,
+                         chorus_result_string(res));
+        }
+      }
+      pthread_mutex_lock(&comm->mu);
+      comm->current = NULL;
+      pthread_mutex_unlock(&comm->mu);
+      op_finish(comm, op, res);
+      idle = 0;
+      continue;
+    }
+    if ((p2p_pending(comm) || conns_flushing(comm)) && !atomic_load(&comm->failed)) {
+      chorus_result_t res = engine_poll(comm, NULL, &idle);
+      if (res != CHORUS_SUCCESS) p2p_fail_all(comm, res);
+      continue;
+    }
+    if (stopping || atomic_load(&comm->aborted)) break;
+    /* nothing to do: sleep until an op is submitted */
+    pthread_mutex_lock(&comm->mu);
+    while (!comm->queue_head && !comm->p2p_incoming && !atomic_load(&comm->stop) &&
+           !atomic_load(&comm->aborted))
+      pthread_cond_wait(&comm->idle_cv, &comm->mu);
+    pthread_mutex_unlock(&comm->mu);
+    idle = 0;
+  }
+  /* fail whatever is left (abort path) */
+  chorus_result_t res = failed_result(comm);
+  p2p_take_incoming(comm);
+  p2p_fail_all(comm, res);
+  pthread_mutex_lock(&comm->mu);
+  struct op *op = comm->queue_head;
+  comm->queue_head = comm->queue_tail = NULL;
+  pthread_mutex_unlock(&comm->mu);
+  while (op) {
+    struct op *next = op->next;
+    op_finish(comm, op, res);
+    op = next;
+  }
+  return NULL;
+}
+
+chorus_result_t engine_start(struct chorus_comm *comm) {
+  int n = comm->nranks;
+  comm->p2p_send = calloc((size_t)n, sizeof(struct op *));
+  comm->p2p_recv = calloc((size_t)n, sizeof(struct op *));
+  comm->p2p_send_seq = calloc((size_t)n, sizeof(uint64_t));
+  comm->p2p_recv_seq = calloc((size_t)n, sizeof(uint64_t));
+  comm->engine_priv = calloc((size_t)n, sizeof(struct p2p_peer));
+  if (!comm->p2p_send || !comm->p2p_recv || !comm->p2p_send_seq || !comm->p2p_recv_seq ||
+      !comm->engine_priv)
+    return comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d: out of memory in engine start",
+                          comm->rank);
+  comm->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (comm->wake_fd < 0)
+    return comm_set_error(comm, CHORUS_ERR_SYSTEM, "rank %d: eventfd failed: %s", comm->rank,
+                          strerror(errno));
+  if (pthread_create(&comm->thread, NULL, engine_main, comm) != 0)
+    return comm_set_error(comm, CHORUS_ERR_SYSTEM, "rank %d: cannot start progress thread",
+                          comm->rank);
+  comm->thread_started = 1;
+  return CHORUS_SUCCESS;
+}
+
+void engine_stop(struct chorus_comm *comm, int abort_now) {
+  if (comm->thread_started) {
+    pthread_mutex_lock(&comm->mu);
+    atomic_store(&comm->stop, 1);
+    if (abort_now) atomic_store(&comm->aborted, 1);
+    pthread_cond_broadcast(&comm->idle_cv);
+    pthread_mutex_unlock(&comm->mu);
+    engine_wake(comm);
+    pthread_join(comm->thread, NULL);
+    comm->thread_started = 0;
+  }
+  if (comm->wake_fd >= 0) close(comm->wake_fd);
+  comm->wake_fd = -1;
+  free(comm->p2p_send);
+  free(comm->p2p_recv);
+  free(comm->p2p_send_seq);
+  free(comm->p2p_recv_seq);
+  free(comm->engine_priv);
+  comm->p2p_send = comm->p2p_recv = NULL;
+  comm->p2p_send_seq = comm->p2p_recv_seq = NULL;
+  comm->engine_priv = NULL;
+}
+
+chorus_result_t engine_submit(struct chorus_comm *comm, struct op *op, chorus_request_t **req) {
+  int p2p = op->kind == OP_SEND || op->kind == OP_RECV;
+  if (!p2p) op->seq = atomic_fetch_add(&comm->seq, 1);
+  chorus_request_t *r = req_new(comm, p2p ? 0 : op->seq);
+  if (!r) {
+    op_free(op);
+    return CHORUS_ERR_NOMEM;
+  }
+  op->req = r;
+  op->next = NULL;
+  pthread_mutex_lock(&comm->mu);
+  if (atomic_load(&comm->stop) || atomic_load(&comm->aborted)) {
+    pthread_mutex_unlock(&comm->mu);
+    atomic_store(&comm->failed, 1);
+    op_finish(comm, op, CHORUS_ERR_ABORTED);
+    *req = r;
+    return CHORUS_SUCCESS;
+  }
+  if (p2p) {
+    struct op **pp = &comm->p2p_incoming; /* FIFO: posting order is matching order */
+    while (*pp) pp = &(*pp)->next;
+    *pp = op;
+  } else {
+    if (comm->queue_tail) comm->queue_tail->next = op;
+    else comm->queue_head = op;
+    comm->queue_tail = op;
+  }
+  pthread_cond_signal(&comm->idle_cv);
+  pthread_mutex_unlock(&comm->mu);
+  engine_wake(comm);
+  *req = r;
+  return CHORUS_SUCCESS;
+}

@@ -1,0 +1,215 @@
+/* chorus.h - the public C API of the Chorus collective-communication library.
+ * Everything a C program (or the PyTorch binding) needs: communicators, non-blocking
+ * collectives and point-to-point ops returning requests, errors and parameters. */
+#ifndef CHORUS_H
+#define CHORUS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define CHORUS_VERSION_MAJOR 0
+#define CHORUS_VERSION_MINOR 1
+#define CHORUS_VERSION_PATCH 0
+#define CHORUS_VERSION_STRING "0.1.0"
+
+typedef enum {
+  CHORUS_SUCCESS = 0,
+  CHORUS_ERR_INVALID = 1,     /* bad argument from the caller */
+  CHORUS_ERR_SYSTEM = 2,      /* a system call failed */
+  CHORUS_ERR_TIMEOUT = 3,     /* a wait passed its deadline */
+  CHORUS_ERR_PEER = 4,        /* a peer died, closed its connection or reported failure */
+  CHORUS_ERR_MISMATCH = 5,    /* ranks called different collectives / counts / dtypes */
+  CHORUS_ERR_ABORTED = 6,     /* the communicator was aborted or destroyed */
+  CHORUS_ERR_NOMEM = 7,
+  CHORUS_ERR_INTERNAL = 8,
+  CHORUS_ERR_UNSUPPORTED = 9, /* valid request the library does not implement */
+  CHORUS_INPROGRESS = 10      /* returned by chorus_test / chorus_wait with timeout */
+} chorus_result_t;
+
+typedef enum {
+  CHORUS_INT8 = 0,
+  CHORUS_UINT8,
+  CHORUS_INT16,
+  CHORUS_INT32,
+  CHORUS_INT64,
+  CHORUS_FLOAT16,
+  CHORUS_BFLOAT16,
+  CHORUS_FLOAT32,
+  CHORUS_FLOAT64,
+  CHORUS_BOOL,
+  CHORUS_DTYPE_COUNT
+} chorus_dtype_t;
+
+typedef enum {
+  CHORUS_SUM = 0,
+  CHORUS_PROD,
+  CHORUS_MIN,
+  CHORUS_MAX,
+  CHORUS_AVG,        /* sum divided by the number of ranks (integer types: truncated) */
+  CHORUS_PREMUL_SUM, /* each rank's input multiplied by its own factor, then summed */
+  CHORUS_BAND,
+  CHORUS_BOR,
+  CHORUS_BXOR,
+  CHORUS_OP_COUNT
+} chorus_op_kind_t;
+
+/* A reduction: the kind and, for CHORUS_PREMUL_SUM, this rank's factor. */
+typedef struct {
+  chorus_op_kind_t kind;
+  double factor;
+} chorus_redop_t;
+
+typedef struct chorus_comm chorus_comm_t;
+typedef struct chorus_request chorus_request_t;
+
+/* Out-of-band key/value exchange used while creating and splitting communicators.
+ * get() blocks until the key exists (or timeout_ms passes) and copies at most cap
+ * bytes, reporting the stored length in *len. Keys are plain strings; the core
+ * prefixes them per communicator. */
+typedef struct chorus_bootstrap {
+  void *ctx;
+  chorus_result_t (*set)(void *ctx, const char *key, const void *val, size_t len);
+  chorus_result_t (*get)(void *ctx, const char *key, void *buf, size_t cap, size_t *len,
+                         int timeout_ms);
+  void (*release)(void *ctx); /* optional: called when no communicator uses ctx any more */
+} chorus_bootstrap_t;
+
+/* The built-in TCP rendezvous for pure-C use: rank 0 serves a key/value store on
+ * addr ("host:port"), every rank (0 included) is a client. Rank 0's server runs until
+ * the bootstrap is released (after the last communicator built on it is destroyed). */
+chorus_result_t chorus_bootstrap_tcp(const char *addr, int rank, int nranks, int timeout_ms,
+                                     chorus_bootstrap_t *out);
+
+typedef struct {
+  int timeout_ms;      /* bound on every wait; <= 0 takes CHORUS_TIMEOUT */
+  const char *name;    /* shown in logs and errors; may be NULL */
+} chorus_comm_options_t;
+
+/* Creates a communicator of nranks ranks. Collective over all ranks. The bootstrap is
+ * copied; its ctx must stay valid until the communicator (and its splits) are destroyed. */
+chorus_result_t chorus_comm_create(int rank, int nranks, const chorus_bootstrap_t *bootstrap,
+                                   const chorus_comm_options_t *opts, chorus_comm_t **comm);
+/* Waits for queued operations (bounded by the timeout), then frees everything. */
+chorus_result_t chorus_comm_destroy(chorus_comm_t *comm);
+/* Fails every pending and later operation at once; the communicator must still be
+ * destroyed. Safe to call from any thread, also while a collective is in flight. */
+chorus_result_t chorus_comm_abort(chorus_comm_t *comm);
+/* Collective over comm: ranks with equal color form a new communicator ordered by
+ * (key, old rank). color < 0 returns *newcomm = NULL. */
+#define CHORUS_SPLIT_NOCOLOR (-1)
+chorus_result_t chorus_comm_split(chorus_comm_t *comm, int color, int key,
+                                  const chorus_comm_options_t *opts, chorus_comm_t **newcomm);
+
+int chorus_comm_rank(const chorus_comm_t *comm);
+int chorus_comm_size(const chorus_comm_t *comm);
+/* Number of collectives issued so far (the next one gets this sequence number). */
+uint64_t chorus_comm_seq(const chorus_comm_t *comm);
+void chorus_comm_set_timeout(chorus_comm_t *comm, int timeout_ms);
+/* The first error that put the communicator in its failed state, or "" if none.
+ * chorus_comm_error(NULL) returns the last error of this thread: the reason a create or
+ * split failed, or why the last call was rejected with CHORUS_ERR_INVALID. */
+const char *chorus_comm_error(const chorus_comm_t *comm);
+const char *chorus_result_string(chorus_result_t res);
+size_t chorus_dtype_size(chorus_dtype_t dtype);
+const char *chorus_dtype_name(chorus_dtype_t dtype);
+const char *chorus_op_name(chorus_op_kind_t op);
+
+/* ---- Non-blocking operations. Each returns a request the caller must free. ----
+ * Counts are in elements. sendbuf == recvbuf means in-place. Buffers must stay valid
+ * until the request completes. Operations run in issue order per communicator. */
+chorus_result_t chorus_iallreduce(chorus_comm_t *comm, const void *sendbuf, void *recvbuf,
+                                  size_t count, chorus_dtype_t dtype, chorus_redop_t op,
+                                  chorus_request_t **req);
+chorus_result_t chorus_ibroadcast(chorus_comm_t *comm, void *buf, size_t count,
+                                  chorus_dtype_t dtype, int root, chorus_request_t **req);
+/* recvbuf is used on the root only. */
+chorus_result_t chorus_ireduce(chorus_comm_t *comm, const void *sendbuf, void *recvbuf,
+                               size_t count, chorus_dtype_t dtype, chorus_redop_t op, int root,
+                               chorus_request_t **req);
+/* Rank r contributes recvcounts[r] elements, placed at recvbuf + displs[r] elements. */
+chorus_result_t chorus_iallgatherv(chorus_comm_t *comm, const void *sendbuf, void *recvbuf,
+                                   const size_t *recvcounts, const size_t *displs,
+                                   chorus_dtype_t dtype, chorus_request_t **req);
+chorus_result_t chorus_iallgather(chorus_comm_t *comm, const void *sendbuf, void *recvbuf,
+                                  size_t sendcount, chorus_dtype_t dtype,
+                                  chorus_request_t **req);
+/* sendbuf holds sum(recvcounts) elements; rank r receives the reduction of
+ * the slice [sum(recvcounts[0..r)), +recvcounts[r]). */
+chorus_result_t chorus_ireduce_scatterv(chorus_comm_t *comm, const void *sendbuf,
+                                        void *recvbuf, const size_t *recvcounts,
+                                        chorus_dtype_t dtype, chorus_redop_t op,
+                                        chorus_request_t **req);
+chorus_result_t chorus_ireduce_scatter(chorus_comm_t *comm, const void *sendbuf,
+                                       void *recvbuf, size_t recvcount, chorus_dtype_t dtype,
+                                       chorus_redop_t op, chorus_request_t **req);
+/* recvbuf (root only) holds nranks * count elements. */
+chorus_result_t chorus_igather(chorus_comm_t *comm, const void *sendbuf, void *recvbuf,
+                               size_t count, chorus_dtype_t dtype, int root,
+                               chorus_request_t **req);
+/* sendbuf (root only) holds nranks * count elements. */
+chorus_result_t chorus_iscatter(chorus_comm_t *comm, const void *sendbuf, void *recvbuf,
+                                size_t count, chorus_dtype_t dtype, int root,
+                                chorus_request_t **req);
+/* Rank r sends sendcounts[p] elements from sendbuf + sdispls[p] to peer p and receives
+ * recvcounts[p] elements at recvbuf + rdispls[p] from p. */
+chorus_result_t chorus_ialltoallv(chorus_comm_t *comm, const void *sendbuf,
+                                  const size_t *sendcounts, const size_t *sdispls,
+                                  void *recvbuf, const size_t *recvcounts,
+                                  const size_t *rdispls, chorus_dtype_t dtype,
+                                  chorus_request_t **req);
+chorus_result_t chorus_ialltoall(chorus_comm_t *comm, const void *sendbuf, void *recvbuf,
+                                 size_t count, chorus_dtype_t dtype, chorus_request_t **req);
+chorus_result_t chorus_ibarrier(chorus_comm_t *comm, chorus_request_t **req);
+
+/* Point-to-point. Messages between a pair are matched in order; the tags of a send and
+ * the receive it matches must be equal. peer CHORUS_ANY_SOURCE receives from whichever
+ * peer's next message carries the tag first. Point-to-point ops progress independently
+ * of collectives and of each other (a send never waits for a later receive). */
+#define CHORUS_ANY_SOURCE (-1)
+chorus_result_t chorus_isend(chorus_comm_t *comm, const void *buf, size_t count,
+                             chorus_dtype_t dtype, int peer, int tag, chorus_request_t **req);
+chorus_result_t chorus_irecv(chorus_comm_t *comm, void *buf, size_t count,
+                             chorus_dtype_t dtype, int peer, int tag, chorus_request_t **req);
+
+/* ---- Requests ---- */
+/* *done = 1 once complete; returns the operation's result then (CHORUS_SUCCESS else). */
+chorus_result_t chorus_test(chorus_request_t *req, int *done);
+/* Blocks until complete or timeout_ms passes (< 0: no limit beyond the op's own
+ * deadline). Returns the operation's result or CHORUS_INPROGRESS on timeout. */
+chorus_result_t chorus_wait(chorus_request_t *req, int timeout_ms);
+/* Calls fn(arg, result) once when the request completes, on the library's thread (at
+ * once, on the caller's thread, if already complete). At most one callback. */
+chorus_result_t chorus_request_on_complete(chorus_request_t *req,
+                                           void (*fn)(void *arg, chorus_result_t res),
+                                           void *arg);
+/* The error text of a failed request ("" while pending or on success). */
+const char *chorus_request_error(chorus_request_t *req);
+uint64_t chorus_request_seq(const chorus_request_t *req);
+/* For a completed receive from CHORUS_ANY_SOURCE: the sending rank. */
+int chorus_request_source(const chorus_request_t *req);
+void chorus_request_free(chorus_request_t *req);
+
+/* ---- Parameters (CHORUS_<NAME>, else NCCL_<NAME> where marked) ---- */
+typedef struct {
+  const char *name;     /* without prefix, e.g. "BUFFSIZE" */
+  const char *type;     /* "int", "size", "string", "bool" */
+  const char *default_value;
+  const char *doc;
+  int nccl_fallback;    /* 1 if NCCL_<NAME> is honoured when CHORUS_<NAME> is unset */
+} chorus_param_info_t;
+int chorus_param_count(void);
+const chorus_param_info_t *chorus_param_get_info(int index);
+/* The value in force and where it came from ("CHORUS_X", "NCCL_X" or "default").
+ * Writes at most cap bytes of value (NUL-terminated). Returns 0, or -1 if unknown. */
+int chorus_param_value(const char *name, char *value, size_t cap, const char **source);
+
+const char *chorus_version(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* CHORUS_H */

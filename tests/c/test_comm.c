@@ -1,0 +1,236 @@
+/* test_comm.c - end-to-end test of the C API without Python: forks N ranks that meet
+ * through the built-in TCP rendezvous on 127.0.0.1 and run every collective and
+ * point-to-point op over shared memory and over sockets, checking values. */
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "chorus.h"
+
+static int failures;
+#define EXPECT(cond, ...)                                         \
+  do {                                                            \
+    if (!(cond)) {                                                \
+      fprintf(stderr, "rank %d: FAIL %s:%d: ", g_rank, __FILE__, __LINE__); \
+      fprintf(stderr, __VA_ARGS__);                               \
+      fprintf(stderr, "\n");                                      \
+      failures++;                                                 \
+    }                                                             \
+  } while (0)
+#define OK(call)                                                                   \
+  do {                                                                             \
+    chorus_result_t r_ = (call);                                                   \
+    if (r_ != CHORUS_SUCCESS) {                                                    \
+      fprintf(stderr, "rank %d: %s failed: %s (%s)\n", g_rank, #call,              \
+              chorus_result_string(r_), chorus_comm_error(NULL));                  \
+      failures++;                                                                  \
+      return;                                                                      \
+    }                                                                              \
+  } while (0)
+
+static int g_rank;
+
+static int free_port(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {0};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, (struct sockaddr *)&a, sizeof a);
+  socklen_t l = sizeof a;
+  getsockname(fd, (struct sockaddr *)&a, &l);
+  int port = ntohs(a.sin_port);
+  close(fd);
+  return port;
+}
+
+static chorus_result_t run_req(chorus_request_t *req) {
+  chorus_result_t r = chorus_wait(req, -1);
+  chorus_request_free(req);
+  return r;
+}
+
+static void check_allreduce(chorus_comm_t *c, int n, size_t count) {
+  int me = chorus_comm_rank(c);
+  float *in = malloc((count + 1) * sizeof(float)), *out = malloc((count + 1) * sizeof(float));
+  for (size_t i = 0; i < count; i++) in[i] = (float)(me + 1) * (float)(i % 97);
+  for (size_t i = 0; i < count; i++) out[i] = -1234.f;
+  chorus_request_t *req;
+  chorus_redop_t sum = {CHORUS_SUM, 1.0};
+  OK(chorus_iallreduce(c, in, out, count, CHORUS_FLOAT32, sum, &req));
+  OK(run_req(req));
+  float f = (float)(n * (n + 1) / 2);
+  for (size_t i = 0; i < count; i++) {
+    if (out[i] != f * (float)(i % 97)) {
+      EXPECT(0, "allreduce count %zu: out[%zu] = %g, expected %g", count, i, out[i],
+             f * (float)(i % 97));
+      break;
+    }
+  }
+  /* in place, MAX over int32 */
+  int32_t *v = malloc((count + 1) * sizeof(int32_t));
+  for (size_t i = 0; i < count; i++) v[i] = (int32_t)((me * 7 + (int)i) % 13);
+  chorus_redop_t mx = {CHORUS_MAX, 1.0};
+  OK(chorus_iallreduce(c, v, v, count, CHORUS_INT32, mx, &req));
+  OK(run_req(req));
+  for (size_t i = 0; i < count; i++) {
+    int32_t e = 0;
+    for (int r = 0; r < n; r++) {
+      int32_t x = (int32_t)((r * 7 + (int)i) % 13);
+      if (x > e) e = x;
+    }
+    if (v[i] != e) {
+      EXPECT(0, "allreduce max count %zu: v[%zu] = %d, expected %d", count, i, v[i], e);
+      break;
+    }
+  }
+  free(v);
+  free(in);
+  free(out);
+}
+
+static void check_others(chorus_comm_t *c, int n) {
+  size_t count = 1000;
+  chorus_request_t *req;
+  /* broadcast from the last rank */
+  int64_t *b = malloc(count * sizeof(int64_t));
+  for (size_t i = 0; i < count; i++) b[i] = g_rank == n - 1 ? (int64_t)i * 3 : -1;
+  OK(chorus_ibroadcast(c, b, count, CHORUS_INT64, n - 1, &req));
+  OK(run_req(req));
+  for (size_t i = 0; i < count; i++)
+    if (b[i] != (int64_t)i * 3) {
+      EXPECT(0, "broadcast b[%zu] = %lld", i, (long long)b[i]);
+      break;
+    }
+  /* allgather */
+  int32_t mine[5];
+  int32_t *all = malloc((size_t)n * 5 * sizeof(int32_t));
+  for (int i = 0; i < 5; i++) mine[i] = g_rank * 100 + i;
+  OK(chorus_iallgather(c, mine, all, 5, CHORUS_INT32, &req));
+  OK(run_req(req));
+  for (int r = 0; r < n; r++)
+    for (int i = 0; i < 5; i++) EXPECT(all[r * 5 + i] == r * 100 + i, "allgather [%d][%d]", r, i);
+  /* reduce_scatter */
+  double *rs_in = malloc((size_t)n * 3 * sizeof(double)), rs_out[3];
+  for (int i = 0; i < n * 3; i++) rs_in[i] = i + g_rank;
+  chorus_redop_t sum = {CHORUS_SUM, 1.0};
+  OK(chorus_ireduce_scatter(c, rs_in, rs_out, 3, CHORUS_FLOAT64, sum, &req));
+  OK(run_req(req));
+  for (int i = 0; i < 3; i++) {
+    double e = 0;
+    for (int r = 0; r < n; r++) e += g_rank * 3 + i + r;
+    EXPECT(rs_out[i] == e, "reduce_scatter [%d] = %g expected %g", i, rs_out[i], e);
+  }
+  /* alltoall */
+  int32_t *a_in = malloc((size_t)n * 2 * sizeof(int32_t)), *a_out = malloc((size_t)n * 2 * sizeof(int32_t));
+  for (int p = 0; p < n; p++) {
+    a_in[p * 2] = g_rank * 1000 + p;
+    a_in[p * 2 + 1] = -g_rank;
+  }
+  OK(chorus_ialltoall(c, a_in, a_out, 2, CHORUS_INT32, &req));
+  OK(run_req(req));
+  for (int p = 0; p < n; p++) {
+    EXPECT(a_out[p * 2] == p * 1000 + g_rank, "alltoall from %d", p);
+    EXPECT(a_out[p * 2 + 1] == -p, "alltoall from %d second", p);
+  }
+  /* ring of send/recv posted both ways before waiting (must not deadlock) */
+  if (n > 1) {
+    size_t big = 300000;
+    uint8_t *sb = malloc(big), *rb = malloc(big);
+    for (size_t i = 0; i < big; i++) sb[i] = (uint8_t)(i + (size_t)g_rank);
+    chorus_request_t *rs, *rr;
+    int to = (g_rank + 1) % n, from = (g_rank + n - 1) % n;
+    OK(chorus_isend(c, sb, big, CHORUS_UINT8, to, 7, &rs));
+    OK(chorus_irecv(c, rb, big, CHORUS_UINT8, from, 7, &rr));
+    OK(run_req(rs));
+    OK(run_req(rr));
+    for (size_t i = 0; i < big; i++)
+      if (rb[i] != (uint8_t)(i + (size_t)from)) {
+        EXPECT(0, "recv byte %zu", i);
+        break;
+      }
+    free(sb);
+    free(rb);
+  }
+  OK(chorus_ibarrier(c, &req));
+  OK(run_req(req));
+  free(b);
+  free(all);
+  free(rs_in);
+  free(a_in);
+  free(a_out);
+}
+
+static int rank_main(int rank, int n, int port) {
+  g_rank = rank;
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+  chorus_bootstrap_t bs;
+  if (chorus_bootstrap_tcp(addr, rank, n, 20000, &bs) != CHORUS_SUCCESS) {
+    fprintf(stderr, "rank %d: bootstrap failed: %s\n", rank, chorus_comm_error(NULL));
+    return 1;
+  }
+  chorus_comm_t *c;
+  chorus_comm_options_t o = {20000, "test"};
+  if (chorus_comm_create(rank, n, &bs, &o, &c) != CHORUS_SUCCESS) {
+    fprintf(stderr, "rank %d: create failed: %s\n", rank, chorus_comm_error(NULL));
+    return 1;
+  }
+  size_t sizes[] = {0, 1, 7, 4099, 300000};
+  for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) check_allreduce(c, n, sizes[i]);
+  check_others(c, n);
+  /* split into even/odd ranks and reduce there */
+  chorus_comm_t *sub = NULL;
+  if (chorus_comm_split(c, rank % 2, rank, &o, &sub) != CHORUS_SUCCESS)
+    EXPECT(0, "split: %s", chorus_comm_error(NULL));
+  if (sub) {
+    EXPECT(chorus_comm_size(sub) == (n + 1 - rank % 2) / 2, "split size %d", chorus_comm_size(sub));
+    check_allreduce(sub, chorus_comm_size(sub), 777);
+    chorus_comm_destroy(sub);
+  }
+  chorus_request_t *req;
+  if (chorus_ibarrier(c, &req) == CHORUS_SUCCESS) run_req(req);
+  chorus_comm_destroy(c);
+  if (bs.release) bs.release(bs.ctx);
+  return failures ? 1 : 0;
+}
+
+static int run_world(int n, int shm) {
+  int port = free_port();
+  if (!shm) setenv("CHORUS_SHM_DISABLE", "1", 1);
+  else unsetenv("CHORUS_SHM_DISABLE");
+  pid_t pids[16];
+  for (int r = 0; r < n; r++) {
+    pids[r] = fork();
+    if (pids[r] == 0) _exit(rank_main(r, n, port));
+  }
+  int bad = 0;
+  for (int r = 0; r < n; r++) {
+    int st;
+    waitpid(pids[r], &st, 0);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) bad = 1;
+  }
+  printf("%s world %d %s\n", bad ? "FAIL" : "ok  ", n, shm ? "shm" : "socket");
+  return bad;
+}
+
+int main(void) {
+  int passed = 0, failed = 0;
+  const char *only = getenv("TEST_COMM_ONLY"); /* e.g. "socket:2" to debug one world */
+  for (int shm = 1; shm >= 0; shm--)
+    for (int n = 1; n <= 4; n++) {
+      if (only) {
+        char want[32];
+        snprintf(want, sizeof want, "%s:%d", shm ? "shm" : "socket", n);
+        if (strcmp(only, want) != 0) continue;
+      }
+      if (run_world(n, shm)) failed++;
+      else passed++;
+    }
+  printf("%d passed, %d failed\n", passed, failed);
+  return failed ? 1 : 0;
+}
