@@ -62,8 +62,9 @@ int chorus_log_enabled(int level, int subsys);
   X(SOCKET_IFNAME, "SOCKET_IFNAME", "string", "", 1,                                          \
     "Network interfaces to use for sockets between hosts: prefix list, ^ to exclude, = for "  \
     "an exact name. Empty: the first interface that is up and not loopback.")                 \
-  X(SPIN_COUNT, "SPIN_COUNT", "int", "2000", 0,                                               \
-    "Polls of an idle connection before the waiting thread yields the core, then sleeps.")    \
+  X(SPIN_COUNT, "SPIN_COUNT", "int", "-1", 0,                                                \
+    "Polls of an idle connection before the waiting thread yields the core, then sleeps; "    \
+    "-1: 2000 when every local rank has a core of its own, else 0.")                         \
   X(SOCKET_SNDBUF, "SOCKET_SNDBUF", "size", "0", 0,                                          \
     "SO_SNDBUF/SO_RCVBUF for data sockets; 0 leaves the kernel's autotuning.")
 
@@ -134,7 +135,11 @@ int64_t now_ns(void);
  * sending side writes through reserve/commit, the receiving side reads through
  * peek/consume; both are non-blocking and may return 0 bytes. Transports never
  * interpret the bytes. Every call returns CHORUS_SUCCESS or an error that the
- * transport has already described with comm_set_error (peer named). */
+ * transport has already described with comm_set_error (peer named).
+ * Alignment contract: a receive window may end anywhere inside the bytes received so far,
+ * but where it ends because of the ring's end, that point is a multiple of 16 bytes in the
+ * stream (ring sizes are multiples of 16 and ring index == stream position mod 16), so a
+ * 16-byte-aligned payload never has an element split across the wrap. */
 typedef struct conn conn_t;
 struct pollfd;
 struct transport_ops {
@@ -294,6 +299,7 @@ struct chorus_comm {
   struct op *current;                   /* op the engine runs now (for error text) */
   void *engine_priv;                    /* engine.c's per-peer p2p state */
   uint32_t db_seen;                     /* doorbell value at the last progress check */
+  int spin;                             /* polls before yielding (SPIN_COUNT or auto) */
 };
 
 /* engine.c */

@@ -412,7 +412,7 @@ chorus_result_t engine_poll(struct chorus_comm *comm, struct op *op, int *idle_i
     return CHORUS_SUCCESS;
   }
   int n = ++*idle_iters;
-  int spin = (int)param_int(PARAM_SPIN_COUNT);
+  int spin = comm->spin;
   if (n < spin) {
     cpu_relax();
   } else if (n < spin + 64) {
@@ -525,6 +525,11 @@ chorus_result_t engine_start(struct chorus_comm *comm) {
       !comm->engine_priv)
     return comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d: out of memory in engine start",
                           comm->rank);
+  /* Spinning only pays when every local rank (engine thread) has a core of its own;
+   * oversubscribed, a spinning rank steals the core the peer it waits for needs. */
+  int64_t spin = param_int(PARAM_SPIN_COUNT);
+  if (spin < 0) spin = comm->nlocal * 2 <= sysconf(_SC_NPROCESSORS_ONLN) ? 2000 : 0;
+  comm->spin = (int)spin;
   comm->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (comm->wake_fd < 0)
     return comm_set_error(comm, CHORUS_ERR_SYSTEM, "rank %d: eventfd failed: %s", comm->rank,
