@@ -1,0 +1,944 @@
+/* socket.c - the TCP transport: the listening socket and choice of the advertised
+ * interface, authenticated connection setup between ranks (hello / ack), and the
+ * per-connection user-space tx/rx rings that progress() moves with send()/recv(). */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <arpa/inet.h>
+#include <errno.h>
+#include <ifaddrs.h>
+#include <limits.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "core.h"
+#include "socket_ifname.h"
+
+#define HELLO_MAGIC 0x43534b48u   /* "CSKH": connector -> acceptor */
+#define ACK_MAGIC 0x43534b41u     /* "CSKA": acceptor -> connector */
+#define SOCK_VERSION 1u
+#define HELLO_LEN 52              /* magic, version, secret[32], rank, channel, nranks */
+#define ACK_LEN 16                /* magic, version, rank, channel */
+#define HELLO_WAIT_MS 5000        /* a silent stranger is dropped after this */
+#define MAX_PENDING 256           /* accepted sockets still owing their hello */
+#define REFUSED_RETRY_MS 5000     /* the peer listens before the all-gather; refusals are
+                                     retried only briefly (e.g. SYN races), not forever */
+#define RING_MIN (64u << 10)
+#define RING_MAX ((size_t)1 << 30)
+
+union sockaddr_any {
+  struct sockaddr sa;
+  struct sockaddr_in in4;
+  struct sockaddr_in6 in6;
+  struct sockaddr_storage ss;
+};
+
+struct sock_state {
+  int listen_fd;             /* -1 once closed */
+  int family;                /* AF_INET for now; AF_INET6 fits the same code paths */
+  uint16_t port;
+  char addr[ADDR_LEN];       /* advertised "ip:port" */
+  char ifname[IF_NAMESIZE];
+};
+
+struct sock_conn {
+  conn_t base;               /* first, so conn_t * and struct sock_conn * convert */
+  int fd;
+  size_t size;               /* bytes of each ring */
+  uint8_t *tx, *rx;
+  uint64_t tx_head, tx_tail; /* free-running: head = sent, tail = committed */
+  uint64_t rx_head, rx_tail; /* head = consumed, tail = received */
+  int eof;                   /* recv() returned 0 */
+  int starving;              /* the last peek found nothing: the reader wants bytes */
+  int awaiting_ack;          /* connector side, until the acceptor's ack is read */
+  chorus_result_t err;       /* sticky: reported once through comm_set_error */
+  char peer_addr[ADDR_LEN + 80]; /* for messages: advertised address and host name */
+};
+
+static const struct transport_ops sock_ops;
+
+static const char *chan_name(int ch) { return ch == CHAN_COLL ? "coll" : "p2p"; }
+
+/* Own monotonic clock so the transport (and its tests) do not depend on engine.c. */
+static int64_t mono_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static int ms_until(int64_t deadline, int cap_ms) {
+  int64_t left = deadline - mono_ns();
+  if (left <= 0) return 0;
+  int64_t ms = (left + 999999) / 1000000;
+  return ms > cap_ms ? cap_ms : (int)ms;
+}
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+  }
+}
+
+/* ------------------------------------------------------------ byte order helpers */
+static void put32(uint8_t *p, uint32_t v) {
+  p[0] = (uint8_t)(v >> 24);
+  p[1] = (uint8_t)(v >> 16);
+  p[2] = (uint8_t)(v >> 8);
+  p[3] = (uint8_t)v;
+}
+static uint32_t get32(const uint8_t *p) {
+  return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+
+/* Constant-time so a stranger cannot learn the secret byte by byte from timing. */
+static int secret_equal(const uint8_t *a, const uint8_t *b, size_t n) {
+  volatile uint8_t diff = 0;
+  for (size_t i = 0; i < n; i++) diff |= (uint8_t)(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+/* ------------------------------------------------------------ addresses */
+static void addr_format(const union sockaddr_any *a, char *buf, size_t cap) {
+  char ip[INET6_ADDRSTRLEN] = "?";
+  if (a->sa.sa_family == AF_INET6) {
+    if (!inet_ntop(AF_INET6, &a->in6.sin6_addr, ip, sizeof ip)) snprintf(ip, sizeof ip, "?");
+    snprintf(buf, cap, "[%s]:%u", ip, (unsigned)ntohs(a->in6.sin6_port));
+  } else if (a->sa.sa_family == AF_INET) {
+    if (!inet_ntop(AF_INET, &a->in4.sin_addr, ip, sizeof ip)) snprintf(ip, sizeof ip, "?");
+    snprintf(buf, cap, "%s:%u", ip, (unsigned)ntohs(a->in4.sin_port));
+  } else {
+    snprintf(buf, cap, "(family %d)", (int)a->sa.sa_family);
+  }
+}
+
+static socklen_t addr_len(const union sockaddr_any *a) {
+  return a->sa.sa_family == AF_INET6 ? (socklen_t)sizeof a->in6 : (socklen_t)sizeof a->in4;
+}
+
+/* "a.b.c.d:port" or "[v6]:port" -> sockaddr. Returns 0 or -1. */
+static int addr_parse(const char *s, union sockaddr_any *out) {
+  char host[INET6_ADDRSTRLEN + 2];
+  const char *colon, *hs = s;
+  size_t hl;
+  memset(out, 0, sizeof *out);
+  if (!s) return -1;
+  if (s[0] == '[') {
+    const char *close = strchr(s, ']');
+    if (!close || close[1] != ':') return -1;
+    hs = s + 1;
+    hl = (size_t)(close - hs);
+    colon = close + 1;
+  } else {
+    colon = strrchr(s, ':');
+    if (!colon) return -1;
+    hl = (size_t)(colon - s);
+  }
+  if (hl == 0 || hl >= sizeof host) return -1;
+  memcpy(host, hs, hl);
+  host[hl] = 0;
+  char *end;
+  errno = 0;
+  unsigned long port = strtoul(colon + 1, &end, 10);
+  if (errno || end == colon + 1 || *end || port == 0 || port > 65535) return -1;
+  if (inet_pton(AF_INET, host, &out->in4.sin_addr) == 1) {
+    out->in4.sin_family = AF_INET;
+    out->in4.sin_port = htons((uint16_t)port);
+    return 0;
+  }
+  if (inet_pton(AF_INET6, host, &out->in6.sin6_addr) == 1) {
+    out->in6.sin6_family = AF_INET6;
+    out->in6.sin6_port = htons((uint16_t)port);
+    return 0;
+  }
+  return -1;
+}
+
+static void addr_set_loopback(union sockaddr_any *a) {
+  if (a->sa.sa_family == AF_INET6)
+    a->in6.sin6_addr = in6addr_loopback;
+  else
+    a->in4.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+}
+
+/* ------------------------------------------------------------ interface choice */
+int ifname_matches(const char *spec, const char *name) {
+  if (!spec || !name) return 0;
+  const char *p = spec;
+  int exclude = 0, exact = 0;
+  while (*p == ' ' || *p == '\t') p++;
+  if (*p == '^') exclude = 1, p++;
+  if (*p == '=') exact = 1, p++;
+  int hit = 0, entries = 0;
+  size_t nl = strlen(name);
+  while (*p) {
+    const char *comma = strchr(p, ',');
+    const char *e = comma ? comma : p + strlen(p);
+    const char *b = p;
+    while (b < e && (*b == ' ' || *b == '\t')) b++;
+    while (e > b && (e[-1] == ' ' || e[-1] == '\t')) e--;
+    size_t n = (size_t)(e - b);
+    if (n) {
+      entries++;
+      if (exact ? (nl == n && memcmp(name, b, n) == 0) : (nl >= n && memcmp(name, b, n) == 0))
+        hit = 1;
+    }
+    if (!comma) break;
+    p = comma + 1;
+  }
+  if (!entries) return 1;
+  return exclude ? !hit : hit;
+}
+
+/* Lower is better. With the user's list, loopback is taken only if nothing else
+ * matches; by default container bridges come after real interfaces (as NCCL does). */
+static int if_rank(const struct ifaddrs *ifa, int user_spec) {
+  if (ifa->ifa_flags & IFF_LOOPBACK) return 2;
+  if (!user_spec && (strncmp(ifa->ifa_name, "docker", 6) == 0 ||
+                     strncmp(ifa->ifa_name, "virbr", 5) == 0))
+    return 1;
+  return 0;
+}
+
+static chorus_result_t choose_interface(struct chorus_comm *comm, struct sock_state *st,
+                                        union sockaddr_any *ip) {
+  const char *spec = param_str(PARAM_SOCKET_IFNAME);
+  int user_spec = spec[0] != 0;
+  struct ifaddrs *list = NULL, *best = NULL;
+  int best_rank = 99;
+  if (getifaddrs(&list) != 0)
+    return comm_set_error(comm, CHORUS_ERR_SYSTEM, "rank %d: getifaddrs failed: %s",
+                          comm->rank, strerror(errno));
+  char seen[256] = "";
+  for (struct ifaddrs *ifa = list; ifa; ifa = ifa->ifa_next) {
+    /* IPv4 only for now; IPv6 needs link-local filtering here and AF_INET6 below. */
+    if (!ifa->ifa_addr || ifa->ifa_addr->sa_family != AF_INET) continue;
+    if (!(ifa->ifa_flags & IFF_UP)) continue;
+    size_t sl = strlen(seen);
+    if (sl + strlen(ifa->ifa_name) + 3 < sizeof seen)
+      snprintf(seen + sl, sizeof seen - sl, "%s%s", sl ? ", " : "", ifa->ifa_name);
+    if (user_spec && !ifname_matches(spec, ifa->ifa_name)) continue;
+    int r = if_rank(ifa, user_spec);
+    if (r < best_rank) best = ifa, best_rank = r;
+  }
+  chorus_result_t res = CHORUS_SUCCESS;
+  memset(ip, 0, sizeof *ip);
+  if (best) {
+    memcpy(&ip->in4, best->ifa_addr, sizeof ip->in4);
+    snprintf(st->ifname, sizeof st->ifname, "%s", best->ifa_name);
+  } else if (user_spec) {
+    res = comm_set_error(comm, CHORUS_ERR_INVALID,
+                         "rank %d: SOCKET_IFNAME '%s' matches no interface that is up with an "
+                         "IPv4 address (up: %s)", comm->rank, spec, seen[0] ? seen : "none");
+  } else {
+    WARN(comm->rank, "socket: no IPv4 interface is up; advertising 127.0.0.1");
+    ip->in4.sin_family = AF_INET;
+    ip->in4.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    snprintf(st->ifname, sizeof st->ifname, "lo");
+  }
+  freeifaddrs(list);
+  st->family = AF_INET;
+  return res;
+}
+
+/* ------------------------------------------------------------ socket helpers */
+static void set_bufsizes(struct chorus_comm *comm, int fd) {
+  int64_t want = param_int(PARAM_SOCKET_SNDBUF);
+  if (want <= 0) return;
+  int v = want > INT_MAX ? INT_MAX : (int)want;
+  if (setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, sizeof v) != 0 ||
+      setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &v, sizeof v) != 0)
+    WARN(comm->rank, "socket: setting SO_SNDBUF/SO_RCVBUF to %d failed: %s", v,
+         strerror(errno));
+}
+
+static void set_nodelay(struct chorus_comm *comm, int fd) {
+  int one = 1;
+  if (setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one) != 0)
+    WARN(comm->rank, "socket: TCP_NODELAY failed: %s", strerror(errno));
+}
+
+/* Moves exactly len bytes on a non-blocking fd, waiting with poll until deadline.
+ * Returns 0, -1 on EOF while reading, or an errno value (ETIMEDOUT at the deadline). */
+static int io_full(int fd, void *buf, size_t len, int64_t deadline, int writing) {
+  uint8_t *p = buf;
+  while (len) {
+    ssize_t r = writing ? send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT)
+                        : recv(fd, p, len, MSG_DONTWAIT);
+    if (r > 0) {
+      p += r;
+      len -= (size_t)r;
+      continue;
+    }
+    if (r == 0 && !writing) return -1;
+    if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return errno;
+    int ms = ms_until(deadline, 1000);
+    if (ms == 0) return ETIMEDOUT;
+    struct pollfd pfd = {fd, (short)(writing ? POLLOUT : POLLIN), 0};
+    if (poll(&pfd, 1, ms) < 0 && errno != EINTR) return errno;
+  }
+  return 0;
+}
+
+static size_t ring_size(void) {
+  int64_t v = param_int(PARAM_BUFFSIZE);
+  size_t s = v < (int64_t)RING_MIN ? RING_MIN : (uint64_t)v > RING_MAX ? RING_MAX : (size_t)v;
+  return (s + 4095) & ~(size_t)4095;
+}
+
+static chorus_result_t conn_new(struct chorus_comm *comm, int fd, int peer, int ch,
+                                const char *addr, struct sock_conn **out) {
+  struct sock_conn *s = calloc(1, sizeof *s);
+  size_t size = ring_size();
+  if (s) {
+    s->tx = malloc(size);
+    s->rx = malloc(size);
+  }
+  if (!s || !s->tx || !s->rx) {
+    if (s) {
+      free(s->tx);
+      free(s->rx);
+      free(s);
+    }
+    return comm_set_error(comm, CHORUS_ERR_NOMEM,
+                          "rank %d peer %d: cannot allocate 2 x %zu bytes of socket rings",
+                          comm->rank, peer, size);
+  }
+  s->base.ops = &sock_ops;
+  s->base.comm = comm;
+  s->base.peer = peer;
+  s->base.channel = ch;
+  s->fd = fd;
+  s->size = size;
+  /* Name the peer by what identifies it (its listening address and host), not by the
+   * ephemeral port an accepted socket shows. */
+  const struct peer_info *pi = comm->peers ? &comm->peers[peer] : NULL;
+  if (pi && pi->sock_addr[0])
+    snprintf(s->peer_addr, sizeof s->peer_addr, "%.*s%s%.*s", ADDR_LEN, pi->sock_addr,
+             pi->hostname[0] ? " on " : "", (int)sizeof pi->hostname, pi->hostname);
+  else
+    snprintf(s->peer_addr, sizeof s->peer_addr, "%s", addr);
+  *out = s;
+  return CHORUS_SUCCESS;
+}
+
+/* ------------------------------------------------------------ transport ops */
+static chorus_result_t conn_fail(struct sock_conn *s, int err, const char *what) {
+  struct chorus_comm *comm = s->base.comm;
+  int peer = s->base.peer;
+  if (s->err) return s->err;
+  if (err == 0 || err == ECONNRESET || err == EPIPE || err == ECONNABORTED) {
+    s->err = comm_set_error(comm, CHORUS_ERR_PEER,
+                            "rank %d peer %d (socket, %s channel): connection to rank %d (%s) "
+                            "closed: peer process exited or failed%s%s%s",
+                            comm->rank, peer, chan_name(s->base.channel), peer, s->peer_addr,
+                            err ? " (" : "", err ? strerror(err) : "", err ? ")" : "");
+  } else {
+    chorus_result_t kind =
+        (err == ETIMEDOUT || err == EHOSTUNREACH || err == ENETUNREACH || err == ENETDOWN)
+            ? CHORUS_ERR_PEER
+            : CHORUS_ERR_SYSTEM;
+    s->err = comm_set_error(comm, kind, "rank %d peer %d (socket, %s channel): %s to rank %d (%s) "
+                            "failed: %s", comm->rank, peer, chan_name(s->base.channel), what,
+                            peer, s->peer_addr, strerror(err));
+  }
+  return s->err;
+}
+
+/* Fills iov with the ring bytes [pos, pos + len) (len <= size): one or two pieces. */
+static int ring_iov(uint8_t *ring, size_t size, uint64_t pos, size_t len, struct iovec *iov) {
+  size_t idx = (size_t)(pos % size);
+  size_t first = size - idx < len ? size - idx : len;
+  iov[0].iov_base = ring + idx;
+  iov[0].iov_len = first;
+  if (first == len) return 1;
+  iov[1].iov_base = ring;
+  iov[1].iov_len = len - first;
+  return 2;
+}
+
+static chorus_result_t sock_reserve(conn_t *c, void **ptr, size_t *len) {
+  struct sock_conn *s = (struct sock_conn *)c;
+  /* An empty ring restarts near offset 0 so the caller gets (almost) the whole ring
+   * contiguous; index == stream position mod 16 is kept as on the receive side, so a
+   * window that ends at the ring's end ends on a 16-byte boundary of the stream. */
+  if (s->tx_head == s->tx_tail) s->tx_head = s->tx_tail = s->tx_tail % 16;
+  size_t used = (size_t)(s->tx_tail - s->tx_head);
+  size_t idx = (size_t)(s->tx_tail % s->size);
+  size_t space = s->size - used, contig = s->size - idx;
+  *ptr = s->tx + idx;
+  *len = space < contig ? space : contig;
+  return CHORUS_SUCCESS;
+}
+
+static chorus_result_t sock_commit(conn_t *c, size_t len) {
+  struct sock_conn *s = (struct sock_conn *)c;
+  size_t used = (size_t)(s->tx_tail - s->tx_head);
+  size_t idx = (size_t)(s->tx_tail % s->size);
+  if (len > s->size - used || len > s->size - idx)
+    return comm_set_error(c->comm, CHORUS_ERR_INTERNAL,
+                          "rank %d peer %d: socket commit of %zu bytes exceeds the reserved "
+                          "space", c->comm->rank, c->peer, len);
+  s->tx_tail += len;
+  return CHORUS_SUCCESS;
+}
+
+static chorus_result_t sock_peek(conn_t *c, const void **ptr, size_t *len) {
+  struct sock_conn *s = (struct sock_conn *)c;
+  size_t avail = (size_t)(s->rx_tail - s->rx_head);
+  size_t idx = (size_t)(s->rx_head % s->size);
+  size_t contig = s->size - idx;
+  *ptr = s->rx + idx;
+  *len = avail < contig ? avail : contig;
+  s->starving = *len == 0;
+  return CHORUS_SUCCESS;
+}
+
+static chorus_result_t sock_consume(conn_t *c, size_t len) {
+  struct sock_conn *s = (struct sock_conn *)c;
+  if (len > s->rx_tail - s->rx_head)
+    return comm_set_error(c->comm, CHORUS_ERR_INTERNAL,
+                          "rank %d peer %d: socket consume of %zu bytes exceeds the %llu "
+                          "readable", c->comm->rank, c->peer, len,
+                          (unsigned long long)(s->rx_tail - s->rx_head));
+  s->rx_head += len;
+  return CHORUS_SUCCESS;
+}
+
+/* One sendmsg() and one recvmsg() at most; both cover the ring's wrap with two iovecs.
+ * *progressed is only ever set, never cleared (the engine ORs it over connections). */
+static chorus_result_t sock_progress(conn_t *c, int *progressed) {
+  struct sock_conn *s = (struct sock_conn *)c;
+  struct iovec iov[2];
+  int moved = 0;
+  if (s->err) return s->err;
+
+  size_t pending = (size_t)(s->tx_tail - s->tx_head);
+  if (pending) {
+    struct msghdr mh = {0};
+    mh.msg_iov = iov;
+    mh.msg_iovlen = (size_t)ring_iov(s->tx, s->size, s->tx_head, pending, iov);
+    ssize_t r = sendmsg(s->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (r > 0) {
+      s->tx_head += (uint64_t)r;
+      moved = 1;
+    } else if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+      return conn_fail(s, errno, "send");
+    }
+  }
+
+  if (!s->eof) {
+    /* Restart an empty ring near offset 0 but keep index == stream position mod 16: the
+     * ring end must stay a 16-byte boundary of the stream so no element straddles it. */
+    if (s->rx_head == s->rx_tail) s->rx_head = s->rx_tail = s->rx_tail % 16;
+    size_t space = s->size - (size_t)(s->rx_tail - s->rx_head);
+    if (space) {
+      struct msghdr mh = {0};
+      mh.msg_iov = iov;
+      mh.msg_iovlen = (size_t)ring_iov(s->rx, s->size, s->rx_tail, space, iov);
+      ssize_t r = recvmsg(s->fd, &mh, MSG_DONTWAIT);
+      if (r > 0) {
+        s->rx_tail += (uint64_t)r;
+        moved = 1;
+      } else if (r == 0) {
+        s->eof = 1;
+      } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+        return conn_fail(s, errno, "recv");
+      }
+    }
+  }
+  if (progressed && moved) *progressed = 1; /* never clear: the engine ORs over conns */
+  /* After the peer closed, bytes that arrived before stay readable, and the close is an
+   * error only once we need that peer: the reader found nothing to read, or we have bytes
+   * for it. A peer that finished its part and exited must not fail an operation that no
+   * longer involves it merely because the engine progresses every connection. */
+  if (s->eof && s->rx_head == s->rx_tail && (s->starving || s->tx_tail != s->tx_head))
+    return conn_fail(s, 0, "recv");
+  return CHORUS_SUCCESS;
+}
+
+static int sock_pollfd(conn_t *c, struct pollfd *pfd) {
+  struct sock_conn *s = (struct sock_conn *)c;
+  pfd->fd = s->fd;
+  pfd->events = 0;
+  pfd->revents = 0;
+  /* After EOF, POLLIN would spin; but a starving reader must wake to see the error. */
+  if (s->eof ? s->starving : s->rx_tail - s->rx_head < s->size) pfd->events |= POLLIN;
+  if (s->tx_tail != s->tx_head) pfd->events |= POLLOUT;
+  return 1;
+}
+
+/* Frees the connection itself too: the caller must drop its pointer. */
+static void sock_close(conn_t *c) {
+  struct sock_conn *s = (struct sock_conn *)c;
+  if (!s) return;
+  if (s->fd >= 0 && close(s->fd) != 0)
+    TRACE(SUB_NET, c->comm ? c->comm->rank : -1, "socket: close: %s", strerror(errno));
+  s->fd = -1;
+  free(s->tx);
+  free(s->rx);
+  free(s);
+}
+
+static const struct transport_ops sock_ops = {
+    .name = "socket",
+    .reserve = sock_reserve,
+    .commit = sock_commit,
+    .peek = sock_peek,
+    .consume = sock_consume,
+    .progress = sock_progress,
+    .pollfd = sock_pollfd,
+    .close = sock_close,
+};
+
+/* ------------------------------------------------------------ listen */
+chorus_result_t socket_listen(struct chorus_comm *comm, struct peer_info *info) {
+  if (comm->sock)
+    return comm_set_error(comm, CHORUS_ERR_INTERNAL, "rank %d: socket_listen called twice",
+                          comm->rank);
+  struct sock_state *st = calloc(1, sizeof *st);
+  if (!st)
+    return comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d: out of memory", comm->rank);
+  st->listen_fd = -1;
+  comm->sock = st;
+  info->sock_addr[0] = 0;
+
+  union sockaddr_any ip, bind_addr;
+  chorus_result_t res = choose_interface(comm, st, &ip);
+  if (res != CHORUS_SUCCESS) goto fail;
+
+  memset(&bind_addr, 0, sizeof bind_addr);
+  if (st->family == AF_INET6) {
+    bind_addr.in6.sin6_family = AF_INET6;
+    bind_addr.in6.sin6_addr = in6addr_any;
+  } else {
+    bind_addr.in4.sin_family = AF_INET;
+    bind_addr.in4.sin_addr.s_addr = htonl(INADDR_ANY);
+  }
+  st->listen_fd = socket(st->family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (st->listen_fd < 0) {
+    res = comm_set_error(comm, CHORUS_ERR_SYSTEM, "rank %d: socket() failed: %s", comm->rank,
+                         strerror(errno));
+    goto fail;
+  }
+  /* Accepted sockets inherit the buffer sizes; setting them before listen() lets the
+   * window scale be negotiated for them. */
+  set_bufsizes(comm, st->listen_fd);
+  if (bind(st->listen_fd, &bind_addr.sa, addr_len(&bind_addr)) != 0) {
+    res = comm_set_error(comm, CHORUS_ERR_SYSTEM, "rank %d: bind() of the listening socket "
+                         "failed: %s", comm->rank, strerror(errno));
+    goto fail;
+  }
+  /* Every higher rank connects before we accept: the backlog must hold them all. */
+  long backlog = (long)comm->nranks * CHAN_COUNT + 64;
+  if (listen(st->listen_fd, backlog > 65535 ? 65535 : (int)backlog) != 0) {
+    res = comm_set_error(comm, CHORUS_ERR_SYSTEM, "rank %d: listen() failed: %s", comm->rank,
+                         strerror(errno));
+    goto fail;
+  }
+  union sockaddr_any bound;
+  socklen_t bl = sizeof bound;
+  if (getsockname(st->listen_fd, &bound.sa, &bl) != 0) {
+    res = comm_set_error(comm, CHORUS_ERR_SYSTEM, "rank %d: getsockname() failed: %s",
+                         comm->rank, strerror(errno));
+    goto fail;
+  }
+  st->port = ntohs(bound.sa.sa_family == AF_INET6 ? bound.in6.sin6_port : bound.in4.sin_port);
+  if (ip.sa.sa_family == AF_INET6)
+    ip.in6.sin6_port = htons(st->port);
+  else
+    ip.in4.sin_port = htons(st->port);
+  addr_format(&ip, st->addr, sizeof st->addr);
+  snprintf(info->sock_addr, sizeof info->sock_addr, "%s", st->addr);
+  INFO(SUB_NET, comm->rank, "socket: listening on port %u, advertising %s (interface %s)",
+       (unsigned)st->port, st->addr, st->ifname);
+  return CHORUS_SUCCESS;
+fail:
+  socket_teardown(comm);
+  return res;
+}
+
+/* ------------------------------------------------------------ connect side */
+static int same_host(const struct chorus_comm *comm, int p) {
+  const char *a = comm->peers[comm->rank].hostid, *b = comm->peers[p].hostid;
+  return a[0] && strncmp(a, b, HOSTID_LEN) == 0;
+}
+
+static chorus_result_t connect_one(struct chorus_comm *comm, int p, int ch, int64_t deadline,
+                                   struct sock_conn **out) {
+  union sockaddr_any to;
+  char addr[ADDR_LEN];
+  if (addr_parse(comm->peers[p].sock_addr, &to) != 0)
+    return comm_set_error(comm, CHORUS_ERR_INVALID, "rank %d peer %d: peer advertised no "
+                          "usable socket address ('%.*s')", comm->rank, p, ADDR_LEN,
+                          comm->peers[p].sock_addr);
+  /* Same host: loopback works whatever interface the peer advertised. */
+  if (same_host(comm, p)) addr_set_loopback(&to);
+  addr_format(&to, addr, sizeof addr);
+
+  int64_t refused_until = mono_ns() + (int64_t)REFUSED_RETRY_MS * 1000000;
+  int fd = -1, err = 0;
+  for (;;) {
+    fd = socket(to.sa.sa_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+      return comm_set_error(comm, CHORUS_ERR_SYSTEM, "rank %d peer %d: socket() failed: %s",
+                            comm->rank, p, strerror(errno));
+    set_bufsizes(comm, fd);
+    err = 0;
+    if (connect(fd, &to.sa, addr_len(&to)) != 0) err = errno;
+    if (err == EINPROGRESS || err == EINTR) {
+      for (;;) {
+        int ms = ms_until(deadline, 1000);
+        if (ms == 0) {
+          err = ETIMEDOUT;
+          break;
+        }
+        struct pollfd pfd = {fd, POLLOUT, 0};
+        int r = poll(&pfd, 1, ms);
+        if (r < 0 && errno != EINTR) {
+          err = errno;
+          break;
+        }
+        if (r > 0) {
+          socklen_t el = sizeof err;
+          if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) != 0) err = errno;
+          break;
+        }
+      }
+    }
+    if (err == 0) break;
+    close(fd);
+    fd = -1;
+    if (err == ECONNREFUSED && mono_ns() < refused_until && ms_until(deadline, 100) > 0) {
+      sleep_ms(50);
+      continue;
+    }
+    if (err == ETIMEDOUT && mono_ns() >= deadline)
+      return comm_set_error(comm, CHORUS_ERR_TIMEOUT, "rank %d peer %d: connecting to rank %d "
+                            "at %s timed out after %d ms", comm->rank, p, p, addr,
+                            comm->timeout_ms);
+    return comm_set_error(comm, err == ECONNREFUSED ? CHORUS_ERR_PEER : CHORUS_ERR_SYSTEM,
+                          "rank %d peer %d: connecting to rank %d at %s failed: %s", comm->rank,
+                          p, p, addr, strerror(err));
+  }
+  set_nodelay(comm, fd);
+
+  uint8_t hello[HELLO_LEN];
+  put32(hello, HELLO_MAGIC);
+  put32(hello + 4, SOCK_VERSION);
+  memcpy(hello + 8, comm->secret, 32);
+  put32(hello + 40, (uint32_t)comm->rank);
+  put32(hello + 44, (uint32_t)ch);
+  put32(hello + 48, (uint32_t)comm->nranks);
+  err = io_full(fd, hello, sizeof hello, deadline, 1);
+  if (err) {
+    close(fd);
+    return comm_set_error(comm, err == ETIMEDOUT ? CHORUS_ERR_TIMEOUT : CHORUS_ERR_PEER,
+                          "rank %d peer %d: sending the hello to rank %d at %s failed: %s",
+                          comm->rank, p, p, addr, err > 0 ? strerror(err) : "closed");
+  }
+  struct sock_conn *s = NULL;
+  chorus_result_t res = conn_new(comm, fd, p, ch, addr, &s);
+  if (res != CHORUS_SUCCESS) {
+    close(fd);
+    return res;
+  }
+  s->awaiting_ack = 1;
+  *out = s;
+  TRACE(SUB_NET, comm->rank, "socket: connected to rank %d (%s channel) at %s", p,
+        chan_name(ch), addr);
+  return CHORUS_SUCCESS;
+}
+
+/* Reads exactly the ack (never more: data may follow right behind it). */
+static chorus_result_t wait_ack(struct sock_conn *s, int64_t deadline) {
+  struct chorus_comm *comm = s->base.comm;
+  int p = s->base.peer;
+  uint8_t ack[ACK_LEN];
+  int err = io_full(s->fd, ack, sizeof ack, deadline, 0);
+  if (err == ETIMEDOUT)
+    return comm_set_error(comm, CHORUS_ERR_TIMEOUT, "rank %d peer %d: rank %d (%s) did not "
+                          "accept our %s connection within %d ms", comm->rank, p, p,
+                          s->peer_addr, chan_name(s->base.channel), comm->timeout_ms);
+  if (err)
+    return comm_set_error(comm, CHORUS_ERR_PEER, "rank %d peer %d: rank %d (%s) closed our %s "
+                          "connection during setup (%s): it rejected the hello (different "
+                          "job, communicator or version?) or exited", comm->rank, p, p,
+                          s->peer_addr, chan_name(s->base.channel),
+                          err > 0 ? strerror(err) : "EOF");
+  if (get32(ack) != ACK_MAGIC || get32(ack + 4) != SOCK_VERSION ||
+      get32(ack + 8) != (uint32_t)p || get32(ack + 12) != (uint32_t)s->base.channel)
+    return comm_set_error(comm, CHORUS_ERR_PEER, "rank %d peer %d: bad connection ack from "
+                          "%s", comm->rank, p, s->peer_addr);
+  s->awaiting_ack = 0;
+  return CHORUS_SUCCESS;
+}
+
+/* ------------------------------------------------------------ accept side */
+struct pending {
+  int fd;
+  int64_t deadline;
+  size_t got;
+  uint8_t buf[HELLO_LEN];
+  char addr[ADDR_LEN];
+};
+
+static void reject(struct chorus_comm *comm, struct pending *pd, const char *why) {
+  WARN(comm->rank, "socket: rank %d rejected connection from %s: %s", comm->rank, pd->addr,
+       why);
+  close(pd->fd);
+  pd->fd = -1;
+}
+
+/* Validates a complete hello; returns NULL if acceptable, else the reason. */
+static const char *hello_problem(struct chorus_comm *comm, const uint8_t *h, char *why,
+                                 size_t cap) {
+  if (get32(h) != HELLO_MAGIC) return "bad magic (not a chorus peer)";
+  if (get32(h + 4) != SOCK_VERSION) {
+    snprintf(why, cap, "protocol version %u, expected %u", get32(h + 4), SOCK_VERSION);
+    return why;
+  }
+  if (!secret_equal(h + 8, comm->secret, 32))
+    return "wrong secret (another job or communicator)";
+  uint32_t rank = get32(h + 40), ch = get32(h + 44), n = get32(h + 48);
+  if (n != (uint32_t)comm->nranks) {
+    snprintf(why, cap, "peer has %u ranks, we have %d", n, comm->nranks);
+    return why;
+  }
+  if (rank >= (uint32_t)comm->nranks || (int)rank <= comm->rank) {
+    snprintf(why, cap, "rank %u out of range (expected %d..%d)", rank, comm->rank + 1,
+             comm->nranks - 1);
+    return why;
+  }
+  if (ch >= CHAN_COUNT) {
+    snprintf(why, cap, "bad channel %u", ch);
+    return why;
+  }
+  if (comm->conns[ch][rank]) {
+    snprintf(why, cap, "duplicate or unexpected connection for rank %u %s channel", rank,
+             chan_name((int)ch));
+    return why;
+  }
+  return NULL;
+}
+
+/* The hello of pd is complete: validate, ack, install. Returns 1 if installed. */
+static int hello_done(struct chorus_comm *comm, struct pending *pd, chorus_result_t *res) {
+  char why[160];
+  const char *bad = hello_problem(comm, pd->buf, why, sizeof why);
+  if (bad) {
+    reject(comm, pd, bad);
+    return 0;
+  }
+  int rank = (int)get32(pd->buf + 40), ch = (int)get32(pd->buf + 44);
+  uint8_t ack[ACK_LEN];
+  put32(ack, ACK_MAGIC);
+  put32(ack + 4, SOCK_VERSION);
+  put32(ack + 8, (uint32_t)comm->rank);
+  put32(ack + 12, (uint32_t)ch);
+  int err = io_full(pd->fd, ack, sizeof ack, pd->deadline, 1);
+  if (err) {
+    reject(comm, pd, err > 0 ? strerror(err) : "closed while sending the ack");
+    return 0;
+  }
+  set_nodelay(comm, pd->fd);
+  struct sock_conn *s = NULL;
+  *res = conn_new(comm, pd->fd, rank, ch, pd->addr, &s);
+  if (*res != CHORUS_SUCCESS) return 0;   /* pd->fd is closed by the caller's cleanup */
+  pd->fd = -1;
+  comm->conns[ch][rank] = &s->base;
+  TRACE(SUB_NET, comm->rank, "socket: accepted rank %d (%s channel) from %s", rank,
+        chan_name(ch), s->peer_addr);
+  return 1;
+}
+
+static chorus_result_t accept_timeout(struct chorus_comm *comm, const uint8_t *need) {
+  char list[512];
+  size_t len = 0;
+  int shown = 0, missing = 0;
+  list[0] = 0;
+  for (int p = comm->rank + 1; p < comm->nranks; p++) {
+    int m = 0;
+    for (int ch = 0; ch < CHAN_COUNT; ch++)
+      if (need[(size_t)p * CHAN_COUNT + ch] && !comm->conns[ch][p]) m = 1;
+    if (!m) continue;
+    missing++;
+    if (len + 16 < sizeof list) {
+      len += (size_t)snprintf(list + len, sizeof list - len, "%s%d", shown ? ", " : "", p);
+      shown++;
+    }
+  }
+  if (shown < missing)
+    snprintf(list + len, sizeof list - len, " and %d more", missing - shown);
+  return comm_set_error(comm, CHORUS_ERR_TIMEOUT, "rank %d: timed out after %d ms waiting for "
+                        "socket connections from rank%s %s", comm->rank, comm->timeout_ms,
+                        missing > 1 ? "s" : "", list);
+}
+
+static chorus_result_t accept_all(struct chorus_comm *comm, const uint8_t *need, int expected,
+                                  int64_t deadline) {
+  struct sock_state *st = comm->sock;
+  struct pending *pend = calloc(MAX_PENDING, sizeof *pend);
+  struct pollfd *pfd = calloc(MAX_PENDING + 1, sizeof *pfd);
+  chorus_result_t res = CHORUS_SUCCESS;
+  int npend = 0, got = 0;
+  if (!pend || !pfd) {
+    res = comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d: out of memory", comm->rank);
+    goto out;
+  }
+  while (got < expected) {
+    int64_t now = mono_ns();
+    if (now >= deadline) {
+      res = accept_timeout(comm, need);
+      goto out;
+    }
+    int64_t wake = deadline;
+    int nfds = 0;
+    if (npend < MAX_PENDING) pfd[nfds++] = (struct pollfd){st->listen_fd, POLLIN, 0};
+    int first_pend = nfds;
+    for (int i = 0; i < npend; i++) {
+      pfd[nfds++] = (struct pollfd){pend[i].fd, POLLIN, 0};
+      if (pend[i].deadline < wake) wake = pend[i].deadline;
+    }
+    int r = poll(pfd, (nfds_t)nfds, ms_until(wake, 1000));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      res = comm_set_error(comm, CHORUS_ERR_SYSTEM, "rank %d: poll() failed: %s", comm->rank,
+                           strerror(errno));
+      goto out;
+    }
+    now = mono_ns();
+    /* Hellos first: they may complete expected connections. */
+    for (int i = 0; i < npend; i++) {
+      struct pending *pd = &pend[i];
+      if (pfd[first_pend + i].revents) {
+        ssize_t n = recv(pd->fd, pd->buf + pd->got, HELLO_LEN - pd->got, MSG_DONTWAIT);
+        if (n > 0) {
+          pd->got += (size_t)n;
+          if (pd->got == HELLO_LEN) {
+            got += hello_done(comm, pd, &res);
+            if (res != CHORUS_SUCCESS) goto out;
+          }
+        } else if (n == 0) {
+          reject(comm, pd, "closed before completing the hello");
+        } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+          reject(comm, pd, strerror(errno));
+        }
+      }
+      if (pd->fd >= 0 && now >= pd->deadline)
+        reject(comm, pd, "no complete hello within the time limit");
+    }
+    int k = 0;
+    for (int i = 0; i < npend; i++)
+      if (pend[i].fd >= 0) pend[k++] = pend[i];
+    npend = k;
+    /* Then new connections, as many as are queued and fit. */
+    if (first_pend == 1 && pfd[0].revents) {
+      while (npend < MAX_PENDING) {
+        union sockaddr_any from;
+        socklen_t fl = sizeof from;
+        int fd = accept4(st->listen_fd, &from.sa, &fl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) {
+          if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+          if (errno == EINTR || errno == ECONNABORTED || errno == EPROTO || errno == EPERM)
+            continue;
+          res = comm_set_error(comm, CHORUS_ERR_SYSTEM, "rank %d: accept() failed: %s",
+                               comm->rank, strerror(errno));
+          goto out;
+        }
+        struct pending *pd = &pend[npend++];
+        memset(pd, 0, sizeof *pd);
+        pd->fd = fd;
+        int64_t hd = now + (int64_t)HELLO_WAIT_MS * 1000000;
+        pd->deadline = hd < deadline ? hd : deadline;
+        addr_format(&from, pd->addr, sizeof pd->addr);
+      }
+    }
+  }
+out:
+  if (pend)
+    for (int i = 0; i < npend; i++)
+      if (pend[i].fd >= 0) close(pend[i].fd);
+  free(pend);
+  free(pfd);
+  return res;
+}
+
+/* ------------------------------------------------------------ connect_all */
+chorus_result_t socket_connect_all(struct chorus_comm *comm) {
+  struct sock_state *st = comm->sock;
+  int n = comm->nranks, me = comm->rank;
+  chorus_result_t res = CHORUS_SUCCESS;
+  if (!comm->peers || !comm->conns[CHAN_COLL] || !comm->conns[CHAN_P2P])
+    return comm_set_error(comm, CHORUS_ERR_INTERNAL, "rank %d: socket_connect_all before the "
+                          "peer table and connection arrays exist", me);
+  uint8_t *need = calloc((size_t)n * CHAN_COUNT, 1);
+  if (!need) return comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d: out of memory", me);
+  int nconnect = 0, naccept = 0;
+  for (int p = 0; p < n; p++) {
+    if (p == me || comm->conns[CHAN_COLL][p]) continue;
+    for (int ch = 0; ch < CHAN_COUNT; ch++) {
+      if (comm->conns[ch][p]) continue;
+      need[(size_t)p * CHAN_COUNT + ch] = 1;
+      if (p < me)
+        nconnect++;
+      else
+        naccept++;
+    }
+  }
+  if (nconnect + naccept == 0) goto done;
+  if (naccept && (!st || st->listen_fd < 0)) {
+    res = comm_set_error(comm, CHORUS_ERR_INTERNAL, "rank %d: socket_connect_all without a "
+                         "listening socket (socket_listen not called or failed)", me);
+    goto done;
+  }
+  int timeout_ms = comm->timeout_ms > 0 ? comm->timeout_ms : 1800 * 1000;
+  int64_t deadline = mono_ns() + (int64_t)timeout_ms * 1000000;
+  INFO(SUB_NET, me, "socket: connecting to %d and accepting %d connections", nconnect,
+       naccept);
+
+  /* Connect to lower ranks first: their kernels complete our connects from the backlog
+   * even before they accept, so no rank waits on another here. */
+  for (int p = 0; p < me; p++)
+    for (int ch = 0; ch < CHAN_COUNT; ch++) {
+      if (!need[(size_t)p * CHAN_COUNT + ch]) continue;
+      struct sock_conn *s = NULL;
+      CHECK_GOTO(connect_one(comm, p, ch, deadline, &s), res, done);
+      comm->conns[ch][p] = &s->base;
+    }
+  if (naccept) CHECK_GOTO(accept_all(comm, need, naccept, deadline), res, done);
+  /* The acks confirm our hellos were accepted; lower ranks send them from their accept
+   * phase, which never waits on us. */
+  for (int p = 0; p < me; p++)
+    for (int ch = 0; ch < CHAN_COUNT; ch++) {
+      conn_t *c = comm->conns[ch][p];
+      if (!need[(size_t)p * CHAN_COUNT + ch] || !c || c->ops != &sock_ops) continue;
+      CHECK_GOTO(wait_ack((struct sock_conn *)c, deadline), res, done);
+    }
+  INFO(SUB_NET, me, "socket: %d connections established", nconnect + naccept);
+done:
+  free(need);
+  if (res == CHORUS_SUCCESS && st && st->listen_fd >= 0) {
+    if (close(st->listen_fd) != 0)
+      TRACE(SUB_NET, me, "socket: closing the listener: %s", strerror(errno));
+    st->listen_fd = -1;
+  }
+  return res;
+}
+
+void socket_teardown(struct chorus_comm *comm) {
+  if (!comm || !comm->sock) return;
+  struct sock_state *st = comm->sock;
+  if (st->listen_fd >= 0 && close(st->listen_fd) != 0)
+    TRACE(SUB_NET, comm->rank, "socket: closing the listener: %s", strerror(errno));
+  free(st);
+  comm->sock = NULL;
+}
