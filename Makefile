@@ -1,0 +1,72 @@
+# Top-level targets. Each one works on a fresh clone: it creates .venv (sharing the system's
+# site-packages), installs the pinned torch and the test tools only if missing, builds and
+# installs Chorus only when its sources changed, then runs.
+#   make demo    4-rank DDP training with chorus, then gloo; compares them
+#   make test    C unit tests, then the whole pytest suite
+#   make ctest   C unit tests only
+#   make clean   build outputs (keeps .venv); make distclean also removes .venv
+# CHORUS_TEST_BACKEND=gloo make test runs the suite against gloo (validates the harness).
+
+PYTHON3 ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+TORCH_VERSION := 2.13.0
+export MAX_JOBS ?= 2
+
+BUILD_STAMP := $(VENV)/.chorus-build.stamp
+DEPS_STAMP := $(VENV)/.chorus-deps.stamp
+# Whatever the installed package is built from: a change to any of these rebuilds it.
+BUILD_INPUTS := $(shell find csrc python -type f \( -name '*.c' -o -name '*.h' -o -name '*.cpp' \
+                  -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py' \) 2>/dev/null) \
+                $(wildcard setup.py pyproject.toml setup.cfg MANIFEST.in)
+
+.PHONY: all demo test ctest pytest deps build clean distclean readme-params
+
+all: build
+
+$(PY):
+	$(PYTHON3) -m venv --system-site-packages $(VENV)
+
+# torch pinned: an unpinned install could pull a different (CUDA, multi-GB) build.
+$(DEPS_STAMP): $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_VERSION)"
+	$(PY) -c "import pytest" 2>/dev/null || $(PIP) install pytest
+	$(PY) -c "import numpy" 2>/dev/null || $(PIP) install numpy
+	$(PY) -c "import setuptools, wheel" 2>/dev/null || $(PIP) install setuptools wheel
+	touch $@
+
+deps: $(DEPS_STAMP)
+
+# --no-build-isolation: build against the torch in .venv (an isolated build would fetch
+# another torch and break the ABI).
+$(BUILD_STAMP): $(DEPS_STAMP) $(BUILD_INPUTS)
+	$(PIP) install --no-build-isolation .
+	touch $@
+
+build: $(BUILD_STAMP)
+
+demo: $(BUILD_STAMP)
+	$(PY) examples/ddp_demo.py
+
+ctest:
+	$(MAKE) -C tests/c
+
+pytest: $(BUILD_STAMP)
+	$(PY) -m pytest -q tests
+
+test: $(BUILD_STAMP)
+	$(MAKE) -C tests/c
+	$(PY) -m pytest -q tests
+
+# Rewrites the README parameter table from `python -m chorus.params --markdown`.
+readme-params: $(BUILD_STAMP)
+	$(PY) tests/readme_params.py --update
+
+clean:
+	rm -rf build dist *.egg-info python/*.egg-info .pytest_cache $(BUILD_STAMP)
+	find . -name __pycache__ -type d -not -path './$(VENV)/*' -prune -exec rm -rf {} +
+	-$(MAKE) -C tests/c clean
+
+distclean: clean
+	rm -rf $(VENV)
