@@ -1,0 +1,79 @@
+// init.cpp - the Python module chorus._C: binds ProcessGroupChorus onto torch's
+// torch._C._distributed_c10d.Backend (intrusive_ptr holder, so c10d accepts the object the
+// creator returns), and exposes version() and the core's parameter table.
+#include <torch/python.h>
+
+#include <chrono>
+#include <string>
+
+#include "ProcessGroupChorus.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr double kDefaultTimeoutSeconds = 30.0 * 60.0;
+
+// timeout: None, a datetime.timedelta or a number of seconds.
+std::chrono::milliseconds toTimeout(const py::object& timeout) {
+  double seconds = kDefaultTimeoutSeconds;
+  if (!timeout.is_none()) {
+    if (py::hasattr(timeout, "total_seconds")) {
+      seconds = timeout.attr("total_seconds")().cast<double>();
+    } else {
+      seconds = timeout.cast<double>();
+    }
+  }
+  TORCH_CHECK(seconds > 0, "chorus: timeout must be positive, got ", seconds, " s");
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Chorus collective-communication library: torch.distributed backend";
+  py::object backend = py::module_::import("torch._C._distributed_c10d").attr("Backend");
+
+  using chorus_torch::ProcessGroupChorus;
+  py::class_<ProcessGroupChorus, c10::intrusive_ptr<ProcessGroupChorus>>(
+      m, "ProcessGroupChorus", backend)
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       const py::object& timeout, const std::string& name) {
+             auto ms = toTimeout(timeout);
+             // Creation waits on the store for every rank: let other Python threads run.
+             py::gil_scoped_release nogil;
+             return c10::make_intrusive<ProcessGroupChorus>(store, rank, size, ms, name);
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout") = py::none(),
+           py::arg("name") = std::string(),
+           "Creates the group (collective over all ranks). timeout: timedelta or seconds.")
+      // split_group() deep-copies `backend.options` when no pg_options are given; None
+      // makes the split use getBackendOptions() with the parent's timeout.
+      .def_property_readonly("options", [](const ProcessGroupChorus&) { return py::none(); })
+      .def("_sequence_number", &ProcessGroupChorus::getSequenceNumberForGroup,
+           py::call_guard<py::gil_scoped_release>());
+
+  m.def("version", []() { return std::string(chorus_version()); },
+        "Version of the C core (chorus_version()).");
+  m.def(
+      "params",
+      []() {
+        py::list out;
+        for (const auto& row : chorus_torch::paramTable()) {
+          py::dict d;
+          d["name"] = row.name;
+          d["env"] = "CHORUS_" + row.name;
+          d["nccl_env"] = row.nccl_fallback ? py::cast("NCCL_" + row.name) : py::none();
+          d["nccl_fallback"] = row.nccl_fallback;
+          d["type"] = row.type;
+          d["default"] = row.default_value;
+          d["doc"] = row.doc;
+          d["value"] = row.value;
+          d["source"] = row.source;
+          out.append(d);
+        }
+        return out;
+      },
+      "The core's parameter table: one dict per parameter (name, env, nccl_env, "
+      "nccl_fallback, type, default, doc, value in force and its source).");
+}

@@ -1,0 +1,160 @@
+# setup.py - builds the chorus package: the C11 core as a static library (build_clib, C
+# compiler and C flags) linked into one extension module chorus._C with the C++ binding
+# (torch.utils.cpp_extension). Install with `pip install --no-build-isolation .`.
+import glob
+import os
+import re
+import shutil
+
+from setuptools import setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CORE = os.path.join("csrc", "core")
+
+
+def read_version():
+    # The header is the single source of truth for the version.
+    with open(os.path.join(ROOT, CORE, "include", "chorus.h")) as f:
+        m = re.search(r'#define\s+CHORUS_VERSION_STRING\s+"([^"]+)"', f.read())
+    if not m:
+        raise RuntimeError("CHORUS_VERSION_STRING not found in csrc/core/include/chorus.h")
+    return m.group(1)
+
+
+def rel_glob(*patterns):
+    # Relative, sorted paths: setuptools rejects absolute source paths in some modes, and a
+    # stable order keeps rebuilds reproducible.
+    out = []
+    for p in patterns:
+        out.extend(glob.glob(os.path.join(ROOT, p)))
+    return sorted(os.path.relpath(p, ROOT) for p in out)
+
+
+def want_cuda():
+    if os.environ.get("FORCE_CUDA", "0") == "1":
+        return True
+    import torch
+
+    return torch.version.cuda is not None and shutil.which("nvcc") is not None
+
+
+CORE_SOURCES = rel_glob(f"{CORE}/*.c", f"{CORE}/algo/*.c", f"{CORE}/transport/*.c")
+CORE_HEADERS = rel_glob(f"{CORE}/*.h", f"{CORE}/include/*.h", f"{CORE}/algo/*.h",
+                        f"{CORE}/transport/*.h")
+BINDING_SOURCES = rel_glob("csrc/bindings/*.cpp")
+BINDING_HEADERS = rel_glob("csrc/bindings/*.hpp")
+# CUDA kernels of the core (none yet). They are built by nvcc inside the extension.
+CUDA_SOURCES = rel_glob(f"{CORE}/kernels/*.cu", "csrc/bindings/*.cu")
+
+C_FLAGS = ["-std=c11", "-O3", "-Wall", "-Wextra", "-Werror", "-D_GNU_SOURCE", "-pthread"]
+# -fvisibility=hidden: what pybind11 expects of a module (else GCC 13 warns that the bound
+# class is more visible than pybind11's internals). -Wno-unused-parameter: torch's headers.
+CXX_FLAGS = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility=hidden"]
+# No -std here: cpp_extension picks the standard the installed torch headers need
+# (C++20 for torch >= 2.10); the binding itself sticks to C++17.
+
+
+def _build_clib_class():
+    from setuptools.command.build_clib import build_clib
+
+    class BuildClib(build_clib):
+        # Compiles the core's .c files in parallel (MAX_JOBS) and skips objects newer than
+        # their source and every core header; stock build_clib is serial and all-or-nothing.
+        def build_libraries(self, libraries):
+            from concurrent.futures import ThreadPoolExecutor
+
+            jobs = max(1, int(os.environ.get("MAX_JOBS", os.cpu_count() or 1)))
+            for lib_name, info in libraries:
+                deps = info.get("obj_deps", {}).get("", [])
+                newest_dep = max((os.path.getmtime(d) for d in deps), default=0.0)
+
+                def compile_one(src, info=info, newest_dep=newest_dep):
+                    obj = self.compiler.object_filenames([src], output_dir=self.build_temp)[0]
+                    if os.path.exists(obj) and os.path.getmtime(obj) >= max(
+                        os.path.getmtime(src), newest_dep
+                    ):
+                        return obj
+                    return self.compiler.compile(
+                        [src],
+                        output_dir=self.build_temp,
+                        macros=info.get("macros"),
+                        include_dirs=info.get("include_dirs"),
+                        extra_postargs=info.get("cflags"),
+                        debug=self.debug,
+                    )[0]
+
+                with ThreadPoolExecutor(max_workers=jobs) as pool:
+                    objects = list(pool.map(compile_one, info["sources"]))
+                self.compiler.create_static_lib(
+                    objects, lib_name, output_dir=self.build_clib, debug=self.debug
+                )
+
+    return BuildClib
+
+
+def _build_ext_class(base):
+    class BuildExt(base):
+        # `build` runs build_clib before build_ext, but `build_ext --inplace` and editable
+        # installs may not: make sure the core library exists before linking it.
+        def run(self):
+            if self.distribution.has_c_libraries():
+                self.run_command("build_clib")
+            super().run()
+
+    return BuildExt
+
+
+def build():
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
+    use_cuda = want_cuda()
+    include_dirs = [os.path.join(ROOT, CORE, "include")]
+    sources = list(BINDING_SOURCES)
+    macros = []
+    extra = {"cxx": list(CXX_FLAGS)}
+    if use_cuda:
+        sources += CUDA_SOURCES
+        macros.append(("CHORUS_WITH_CUDA", "1"))
+        extra["nvcc"] = ["-O3"]
+        ext_cls = CUDAExtension
+    else:
+        ext_cls = CppExtension
+
+    ext = ext_cls(
+        name="chorus._C",
+        sources=sources,
+        include_dirs=include_dirs,
+        define_macros=macros,
+        extra_compile_args=extra,
+        libraries=["m"],
+        extra_link_args=["-pthread"],
+        depends=BINDING_HEADERS + CORE_HEADERS,
+    )
+
+    # The C core goes through build_clib so that it is compiled by the C compiler with C
+    # flags only (cpp_extension would hand its C++ flags to .c files). build_ext then
+    # links libchorus_core.a into chorus._C. -fPIC comes from Python's CCSHARED.
+    core_lib = (
+        "chorus_core",
+        {
+            "sources": CORE_SOURCES,
+            "include_dirs": [os.path.join(CORE, "include"), CORE],
+            "cflags": C_FLAGS + (["-DCHORUS_WITH_CUDA=1"] if use_cuda else []),
+            "obj_deps": {"": CORE_HEADERS},
+        },
+    )
+
+    setup(
+        name="chorus",
+        version=read_version(),
+        package_dir={"": "python"},
+        packages=["chorus"],
+        libraries=[core_lib] if CORE_SOURCES else [],
+        ext_modules=[ext],
+        cmdclass={"build_clib": _build_clib_class(), "build_ext": _build_ext_class(BuildExtension)},
+        zip_safe=False,
+    )
+
+
+if __name__ == "__main__":
+    build()
