@@ -67,10 +67,6 @@ RTOL = {torch.float32: 1e-6, torch.float64: 1e-12}
 BITWISE = ("BAND", "BOR", "BXOR")
 
 
-def dtype_name(dt):
-    return str(dt).replace("torch.", "")
-
-
 def ops_for(dt):
     """Every reduce op PyTorch defines for dt.
     Skipped on purpose: AVG on integers (backends disagree: NCCL truncates, Gloo rejects,

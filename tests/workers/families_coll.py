@@ -2,7 +2,7 @@
 
 Each family is a function f(ctx) that calls ctx.check(case, fn) once per combination; fn runs
 the collective on poisoned outputs and returns None or the first mismatch against the local
-reference. ctx has rank, world, rec (the Recorder) and the helpers below.
+reference. ctx is common.Ctx: rank, world, group (the group under test) and check().
 """
 import contextlib
 
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 
-from common import (DTYPES, compare, compare_list, dtype_name, kind_for, make_data, ops_for,
+from common import (DTYPES, compare, compare_list, kind_for, make_data, ops_for,
                     poison_like, premul_factor, reference_reduce, sizes_for, torch_op)
 
 INPLACE_BOTH = (False, True)
@@ -32,13 +32,10 @@ def _factors(op, world):
     return [premul_factor(op, q) for q in range(world)] if op.startswith("PREMUL") else None
 
 
-def _reduced(key, dt, op, world, n, chunk=None):
-    """Every rank's input for key and the reference reduction of element range chunk
-    (start, length) of them (all of it when chunk is None)."""
-    kind = kind_for(dt, op)
-    inputs = [make_data(key, q, n, dt, kind) for q in range(world)]
-    terms = inputs if chunk is None else [t.narrow(0, chunk[0], chunk[1]) for t in inputs]
-    return inputs, reference_reduce(terms, dt, op, _factors(op, world))
+def _reduced(key, dt, op, world, n):
+    """Every rank's input for key and the reference reduction of them."""
+    inputs = [make_data(key, q, n, dt, kind_for(dt, op)) for q in range(world)]
+    return inputs, reference_reduce(inputs, dt, op, _factors(op, world))
 
 
 def reducing_cases(ctx, coll, variants=(None,), sizes=sizes_for):
