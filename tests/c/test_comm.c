@@ -8,6 +8,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "chorus.h"
@@ -199,6 +200,50 @@ static int rank_main(int rank, int n, int port) {
   return failures ? 1 : 0;
 }
 
+/* Rank 1 exits without a word; rank 0's all-reduce must fail naming it long before the
+ * 20 s timeout, although rank 1 stays an unreaped zombie meanwhile. */
+static int dead_peer_main(int rank, int port) {
+  g_rank = rank;
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+  chorus_bootstrap_t bs;
+  if (chorus_bootstrap_tcp(addr, rank, 2, 20000, &bs) != CHORUS_SUCCESS) return 1;
+  chorus_comm_t *c;
+  chorus_comm_options_t o = {20000, "dead"};
+  if (chorus_comm_create(rank, 2, &bs, &o, &c) != CHORUS_SUCCESS) return 1;
+  if (rank == 1) _exit(0);
+  sleep(1);
+  float x[16] = {0};
+  chorus_request_t *req;
+  chorus_redop_t sum = {CHORUS_SUM, 1.0};
+  time_t t0 = time(NULL);
+  if (chorus_iallreduce(c, x, x, 16, CHORUS_FLOAT32, sum, &req) != CHORUS_SUCCESS) return 1;
+  chorus_result_t r = chorus_wait(req, -1);
+  int ok = r == CHORUS_ERR_PEER && time(NULL) - t0 < 5 && strstr(chorus_request_error(req), "rank 1");
+  if (!ok)
+    fprintf(stderr, "dead peer: result %d after %lds: %s\n", (int)r, (long)(time(NULL) - t0),
+            chorus_request_error(req));
+  chorus_request_free(req);
+  chorus_comm_destroy(c);
+  return ok ? 0 : 1;
+}
+
+static int run_dead_peer(int shm) {
+  int port = free_port();
+  if (!shm) setenv("CHORUS_SHM_DISABLE", "1", 1);
+  else unsetenv("CHORUS_SHM_DISABLE");
+  pid_t p0 = fork();
+  if (p0 == 0) _exit(dead_peer_main(0, port));
+  pid_t p1 = fork();
+  if (p1 == 0) _exit(dead_peer_main(1, port));
+  int st0, st1;
+  waitpid(p0, &st0, 0); /* rank 1 stays a zombie until rank 0 is done */
+  waitpid(p1, &st1, 0);
+  int bad = !WIFEXITED(st0) || WEXITSTATUS(st0) != 0;
+  printf("%s dead peer noticed %s\n", bad ? "FAIL" : "ok  ", shm ? "shm" : "socket");
+  return bad;
+}
+
 static int run_world(int n, int shm) {
   int port = free_port();
   if (!shm) setenv("CHORUS_SHM_DISABLE", "1", 1);
@@ -229,6 +274,11 @@ int main(void) {
         if (strcmp(only, want) != 0) continue;
       }
       if (run_world(n, shm)) failed++;
+      else passed++;
+    }
+  if (!only)
+    for (int shm = 1; shm >= 0; shm--) {
+      if (run_dead_peer(shm)) failed++;
       else passed++;
     }
   printf("%d passed, %d failed\n", passed, failed);

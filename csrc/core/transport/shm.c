@@ -124,6 +124,20 @@ void shm_publish_error(struct chorus_comm *comm, const char *msg) {
       ring_doorbell((struct seg_ctrl *)comm->shm->peer_seg[i]);
 }
 
+/* A killed rank whose parent has not reaped it yet still answers kill(pid, 0). */
+static int pid_is_zombie(int32_t pid) {
+  char path[64], buf[256];
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (n <= 0) return 0;
+  buf[n] = 0;
+  const char *rp = strrchr(buf, ')'); /* the command name may contain spaces */
+  return rp && rp[1] == ' ' && (rp[2] == 'Z' || rp[2] == 'X');
+}
+
 /* ---------------------------------------------------------------- vtable */
 static chorus_result_t shm_check_peer(struct shm_conn *s) {
   struct chorus_comm *comm = s->base.comm;
@@ -134,7 +148,7 @@ static chorus_result_t shm_check_peer(struct shm_conn *s) {
   int64_t now = now_ns();
   if (now < s->next_check_ns) return CHORUS_SUCCESS;
   s->next_check_ns = now + 20 * 1000000LL;
-  if (kill(s->peer_pid, 0) != 0 && errno == ESRCH)
+  if ((kill(s->peer_pid, 0) != 0 && errno == ESRCH) || pid_is_zombie(s->peer_pid))
     return comm_set_error(comm, CHORUS_ERR_PEER,
                           "rank %d (pid %d, same host) exited while rank %d waited for it",
                           s->base.peer, s->peer_pid, comm->rank);
