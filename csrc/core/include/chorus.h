@@ -75,7 +75,9 @@ typedef struct chorus_bootstrap {
   chorus_result_t (*set)(void *ctx, const char *key, const void *val, size_t len);
   chorus_result_t (*get)(void *ctx, const char *key, void *buf, size_t cap, size_t *len,
                          int timeout_ms);
-  void (*release)(void *ctx); /* optional: called when no communicator uses ctx any more */
+  /* Frees ctx. Never called by the core: the owner calls it after destroying every
+   * communicator built on this bootstrap (chorus_bootstrap_tcp fills it in). */
+  void (*release)(void *ctx);
 } chorus_bootstrap_t;
 
 /* The built-in TCP rendezvous for pure-C use: rank 0 serves a key/value store on
