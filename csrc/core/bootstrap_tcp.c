@@ -44,28 +44,6 @@
 #define BS_MAX_WAIT_MS (24 * 3600 * 1000)
 #define BS_REPLY_SLACK_MS 30000          /* client waits this much past its GET timeout */
 
-static int64_t mono_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-static int ms_until(int64_t deadline, int cap_ms) {
-  int64_t left = deadline - mono_ns();
-  if (left <= 0) return 0;
-  int64_t ms = (left + 999999) / 1000000;
-  return ms > cap_ms ? cap_ms : (int)ms;
-}
-
-static void put32(uint8_t *p, uint32_t v) {
-  p[0] = (uint8_t)(v >> 24);
-  p[1] = (uint8_t)(v >> 16);
-  p[2] = (uint8_t)(v >> 8);
-  p[3] = (uint8_t)v;
-}
-static uint32_t get32(const uint8_t *p) {
-  return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
-}
 static void put64(uint8_t *p, uint64_t v) {
   put32(p, (uint32_t)(v >> 32));
   put32(p + 4, (uint32_t)v);
@@ -198,7 +176,7 @@ static void handle_request(struct bs_server *s, struct srv_client *c) {
       respond(c, BS_TIMEOUT, NULL);
     } else {
       uint32_t ms = c->timeout_ms > BS_MAX_WAIT_MS ? BS_MAX_WAIT_MS : c->timeout_ms;
-      c->wait_deadline = mono_ns() + (int64_t)ms * 1000000;
+      c->wait_deadline = now_ns() + (int64_t)ms * 1000000;
       c->state = CL_WAIT;
     }
     return;
@@ -337,7 +315,7 @@ static void server_accept(struct bs_server *s) {
       if (errno == EAGAIN || errno == EWOULDBLOCK) return;
       if (errno == EINTR || errno == ECONNABORTED || errno == EPROTO) continue;
       WARN(0, "bootstrap server: accept failed: %s", strerror(errno));
-      s->accept_pause_until = mono_ns() + 100 * 1000000LL;
+      s->accept_pause_until = now_ns() + 100 * 1000000LL;
       return;
     }
     if (s->ncl == s->capcl) {
@@ -387,7 +365,7 @@ static void *server_main(void *arg) {
       pfd = n;
       cap = want;
     }
-    int64_t now = mono_ns(), wake = now + 1000 * 1000000LL;
+    int64_t now = now_ns(), wake = now + 1000 * 1000000LL;
     int nf = 0;
     pfd[nf++] = (struct pollfd){s->wake[0], POLLIN, 0};
     int lidx = -1;
@@ -412,7 +390,7 @@ static void *server_main(void *arg) {
       continue;
     }
     if (r > 0 && pfd[0].revents) break; /* release() asked us to stop */
-    now = mono_ns();
+    now = now_ns();
     for (int i = 0; i < ncl; i++) {
       struct srv_client *c = s->cl[i];
       short rev = r > 0 ? pfd[first + i].revents : 0;
@@ -627,27 +605,6 @@ struct bs_client {
   char addr[300];
 };
 
-/* Moves exactly len bytes, polling until deadline. 0, -1 on EOF, or an errno value. */
-static int io_full(int fd, void *buf, size_t len, int64_t deadline, int writing) {
-  uint8_t *p = buf;
-  while (len) {
-    ssize_t r = writing ? send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT)
-                        : recv(fd, p, len, MSG_DONTWAIT);
-    if (r > 0) {
-      p += r;
-      len -= (size_t)r;
-      continue;
-    }
-    if (r == 0 && !writing) return -1;
-    if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return errno;
-    int ms = ms_until(deadline, 1000);
-    if (ms == 0) return ETIMEDOUT;
-    struct pollfd pfd = {fd, (short)(writing ? POLLOUT : POLLIN), 0};
-    if (poll(&pfd, 1, ms) < 0 && errno != EINTR) return errno;
-  }
-  return 0;
-}
-
 static chorus_result_t client_io_error(struct bs_client *c, int err, const char *what) {
   c->broken = 1;
   WARN(c->rank, "bootstrap: %s with the server at %s failed: %s", what, c->addr,
@@ -726,7 +683,7 @@ static chorus_result_t cl_set(void *ctx, const char *key, const void *val, size_
   pthread_mutex_lock(&c->mu);
   chorus_result_t res = CHORUS_ERR_PEER;
   if (!c->broken) {
-    int64_t deadline = mono_ns() + (int64_t)c->timeout_ms * 1000000;
+    int64_t deadline = now_ns() + (int64_t)c->timeout_ms * 1000000;
     uint32_t st;
     uint64_t vl;
     res = send_request(c, BS_OP_SET, key, kl, 0, val, len, deadline);
@@ -752,7 +709,7 @@ static chorus_result_t cl_get(void *ctx, const char *key, void *buf, size_t cap,
   pthread_mutex_lock(&c->mu);
   chorus_result_t res = CHORUS_ERR_PEER;
   if (!c->broken) {
-    int64_t now = mono_ns();
+    int64_t now = now_ns();
     /* The server answers TIMEOUT itself; our own limit only catches a dead server. */
     int64_t deadline = now + ((int64_t)timeout_ms + BS_REPLY_SLACK_MS) * 1000000;
     uint32_t st;
@@ -801,7 +758,7 @@ static void cl_release(void *ctx) {
 static chorus_result_t client_connect(struct bs_client *c, const char *host, const char *port,
                                       int64_t deadline) {
   int delay_ms = 20, warned = 0;
-  int64_t start = mono_ns();
+  int64_t start = now_ns();
   const char *last = "no attempt";
   char lastbuf[400];
   for (;;) {
@@ -823,7 +780,7 @@ static chorus_result_t client_connect(struct bs_client *c, const char *host, con
       int err = 0;
       if (connect(fd, a->ai_addr, a->ai_addrlen) != 0) err = errno;
       if (err == EINPROGRESS || err == EINTR) {
-        int64_t att = mono_ns() + 5000 * 1000000LL;
+        int64_t att = now_ns() + 5000 * 1000000LL;
         struct pollfd pfd = {fd, POLLOUT, 0};
         int r = poll(&pfd, 1, ms_until(att < deadline ? att : deadline, 5000));
         if (r > 0) {
@@ -847,7 +804,7 @@ static chorus_result_t client_connect(struct bs_client *c, const char *host, con
       last = lastbuf;
     }
     if (ai) freeaddrinfo(ai);
-    int64_t now = mono_ns();
+    int64_t now = now_ns();
     if (now >= deadline) break;
     if (!warned && now - start > 10000 * 1000000LL) {
       warned = 1;
@@ -900,7 +857,7 @@ chorus_result_t chorus_bootstrap_tcp(const char *addr, int rank, int nranks, int
   }
   snprintf(c->addr, sizeof c->addr, "%s%s%s:%s", strchr(host, ':') ? "[" : "", host,
            strchr(host, ':') ? "]" : "", port);
-  res = client_connect(c, host, port, mono_ns() + (int64_t)timeout_ms * 1000000);
+  res = client_connect(c, host, port, now_ns() + (int64_t)timeout_ms * 1000000);
   if (res != CHORUS_SUCCESS) goto fail;
   out->ctx = c;
   out->set = cl_set;

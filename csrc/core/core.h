@@ -127,8 +127,14 @@ uint16_t float_to_half(float f);     /* round to nearest even */
 float bf16_to_float(uint16_t b);
 uint16_t float_to_bf16(float f);     /* round to nearest even, NaN preserved */
 
-/* ------------------------------------------------------ monotonic time (engine.c) */
-int64_t now_ns(void);
+/* ------------------------------------------------------ netutil.c */
+int64_t now_ns(void);                             /* CLOCK_MONOTONIC in ns */
+int ms_until(int64_t deadline_ns, int cap_ms);    /* ms left, at most cap_ms, 0 if past */
+/* Moves exactly len bytes on a non-blocking fd, waiting with poll until deadline_ns.
+ * Returns 0, -1 on EOF while reading, or an errno value (ETIMEDOUT at the deadline). */
+int io_full(int fd, void *buf, size_t len, int64_t deadline_ns, int writing);
+void put32(uint8_t *p, uint32_t v);               /* big-endian wire integers */
+uint32_t get32(const uint8_t *p);
 
 /* ------------------------------------------------------ transports */
 /* A connection is one ordered byte stream in each direction between two ranks. The

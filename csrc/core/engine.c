@@ -15,12 +15,6 @@
 
 #include "core.h"
 
-int64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
 const char *op_kind_name(enum op_kind k) {
   static const char *names[OP_KIND_COUNT] = {
       "all_reduce", "broadcast", "reduce",  "all_gather", "reduce_scatter", "gather",

@@ -106,15 +106,6 @@ static void test_ifname(void) {
 }
 
 /* ------------------------------------------------------------ raw-socket helpers */
-static void put32(uint8_t *p, uint32_t v) {
-  p[0] = (uint8_t)(v >> 24);
-  p[1] = (uint8_t)(v >> 16);
-  p[2] = (uint8_t)(v >> 8);
-  p[3] = (uint8_t)v;
-}
-static uint32_t get32(const uint8_t *p) {
-  return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
-}
 static void put64(uint8_t *p, uint64_t v) {
   put32(p, (uint32_t)(v >> 32));
   put32(p + 4, (uint32_t)v);

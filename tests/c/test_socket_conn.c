@@ -222,12 +222,6 @@ static int pump(struct chorus_comm *comm, struct stream *st, int n, int timeout_
 }
 
 /* ------------------------------------------------------------ helpers for strangers */
-static void put32(uint8_t *p, uint32_t v) {
-  p[0] = (uint8_t)(v >> 24);
-  p[1] = (uint8_t)(v >> 16);
-  p[2] = (uint8_t)(v >> 8);
-  p[3] = (uint8_t)v;
-}
 static void make_hello(uint8_t *h, const uint8_t *secret, int rank, int ch, int nranks) {
   put32(h, 0x43534b48u);
   put32(h + 4, 1);

@@ -68,35 +68,10 @@ static const struct transport_ops sock_ops;
 
 static const char *chan_name(int ch) { return ch == CHAN_COLL ? "coll" : "p2p"; }
 
-/* Own monotonic clock so the transport (and its tests) do not depend on engine.c. */
-static int64_t mono_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-static int ms_until(int64_t deadline, int cap_ms) {
-  int64_t left = deadline - mono_ns();
-  if (left <= 0) return 0;
-  int64_t ms = (left + 999999) / 1000000;
-  return ms > cap_ms ? cap_ms : (int)ms;
-}
-
 static void sleep_ms(int ms) {
   struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
   while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
   }
-}
-
-/* ------------------------------------------------------------ byte order helpers */
-static void put32(uint8_t *p, uint32_t v) {
-  p[0] = (uint8_t)(v >> 24);
-  p[1] = (uint8_t)(v >> 16);
-  p[2] = (uint8_t)(v >> 8);
-  p[3] = (uint8_t)v;
-}
-static uint32_t get32(const uint8_t *p) {
-  return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
 }
 
 /* Constant-time so a stranger cannot learn the secret byte by byte from timing. */
@@ -264,28 +239,6 @@ static void set_nodelay(struct chorus_comm *comm, int fd) {
   int one = 1;
   if (setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one) != 0)
     WARN(comm->rank, "socket: TCP_NODELAY failed: %s", strerror(errno));
-}
-
-/* Moves exactly len bytes on a non-blocking fd, waiting with poll until deadline.
- * Returns 0, -1 on EOF while reading, or an errno value (ETIMEDOUT at the deadline). */
-static int io_full(int fd, void *buf, size_t len, int64_t deadline, int writing) {
-  uint8_t *p = buf;
-  while (len) {
-    ssize_t r = writing ? send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT)
-                        : recv(fd, p, len, MSG_DONTWAIT);
-    if (r > 0) {
-      p += r;
-      len -= (size_t)r;
-      continue;
-    }
-    if (r == 0 && !writing) return -1;
-    if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return errno;
-    int ms = ms_until(deadline, 1000);
-    if (ms == 0) return ETIMEDOUT;
-    struct pollfd pfd = {fd, (short)(writing ? POLLOUT : POLLIN), 0};
-    if (poll(&pfd, 1, ms) < 0 && errno != EINTR) return errno;
-  }
-  return 0;
 }
 
 static size_t ring_size(void) {
@@ -584,7 +537,7 @@ static chorus_result_t connect_one(struct chorus_comm *comm, int p, int ch, int6
   if (same_host(comm, p)) addr_set_loopback(&to);
   addr_format(&to, addr, sizeof addr);
 
-  int64_t refused_until = mono_ns() + (int64_t)REFUSED_RETRY_MS * 1000000;
+  int64_t refused_until = now_ns() + (int64_t)REFUSED_RETRY_MS * 1000000;
   int fd = -1, err = 0;
   for (;;) {
     fd = socket(to.sa.sa_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
@@ -617,11 +570,11 @@ static chorus_result_t connect_one(struct chorus_comm *comm, int p, int ch, int6
     if (err == 0) break;
     close(fd);
     fd = -1;
-    if (err == ECONNREFUSED && mono_ns() < refused_until && ms_until(deadline, 100) > 0) {
+    if (err == ECONNREFUSED && now_ns() < refused_until && ms_until(deadline, 100) > 0) {
       sleep_ms(50);
       continue;
     }
-    if (err == ETIMEDOUT && mono_ns() >= deadline)
+    if (err == ETIMEDOUT && now_ns() >= deadline)
       return comm_set_error(comm, CHORUS_ERR_TIMEOUT, "rank %d peer %d: connecting to rank %d "
                             "at %s timed out after %d ms", comm->rank, p, p, addr,
                             comm->timeout_ms);
@@ -795,7 +748,7 @@ static chorus_result_t accept_all(struct chorus_comm *comm, const uint8_t *need,
     goto out;
   }
   while (got < expected) {
-    int64_t now = mono_ns();
+    int64_t now = now_ns();
     if (now >= deadline) {
       res = accept_timeout(comm, need);
       goto out;
@@ -815,7 +768,7 @@ static chorus_result_t accept_all(struct chorus_comm *comm, const uint8_t *need,
                            strerror(errno));
       goto out;
     }
-    now = mono_ns();
+    now = now_ns();
     /* Hellos first: they may complete expected connections. */
     for (int i = 0; i < npend; i++) {
       struct pending *pd = &pend[i];
@@ -901,7 +854,7 @@ chorus_result_t socket_connect_all(struct chorus_comm *comm) {
     goto done;
   }
   int timeout_ms = comm->timeout_ms > 0 ? comm->timeout_ms : 1800 * 1000;
-  int64_t deadline = mono_ns() + (int64_t)timeout_ms * 1000000;
+  int64_t deadline = now_ns() + (int64_t)timeout_ms * 1000000;
   INFO(SUB_NET, me, "socket: connecting to %d and accepting %d connections", nconnect,
        naccept);
 

@@ -1,0 +1,52 @@
+/* netutil.c - small helpers shared by the TCP rendezvous and the socket transport (and the
+ * engine's clock): monotonic time, poll deadlines, exact-length I/O on non-blocking
+ * sockets, big-endian wire integers. No dependency on the rest of the core. */
+#include <errno.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#include "core.h"
+
+int64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+int ms_until(int64_t deadline, int cap_ms) {
+  int64_t left = deadline - now_ns();
+  if (left <= 0) return 0;
+  int64_t ms = (left + 999999) / 1000000;
+  return ms > cap_ms ? cap_ms : (int)ms;
+}
+
+int io_full(int fd, void *buf, size_t len, int64_t deadline, int writing) {
+  uint8_t *p = buf;
+  while (len) {
+    ssize_t r = writing ? send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT)
+                        : recv(fd, p, len, MSG_DONTWAIT);
+    if (r > 0) {
+      p += r;
+      len -= (size_t)r;
+      continue;
+    }
+    if (r == 0 && !writing) return -1;
+    if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return errno;
+    int ms = ms_until(deadline, 1000);
+    if (ms == 0) return ETIMEDOUT;
+    struct pollfd pfd = {fd, (short)(writing ? POLLOUT : POLLIN), 0};
+    if (poll(&pfd, 1, ms) < 0 && errno != EINTR) return errno;
+  }
+  return 0;
+}
+
+void put32(uint8_t *p, uint32_t v) {
+  p[0] = (uint8_t)(v >> 24);
+  p[1] = (uint8_t)(v >> 16);
+  p[2] = (uint8_t)(v >> 8);
+  p[3] = (uint8_t)v;
+}
+uint32_t get32(const uint8_t *p) {
+  return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
