@@ -261,6 +261,7 @@ struct op {
   int64_t deadline_ns;        /* set when the op starts */
   size_t done_bytes;          /* p2p progress */
   int hdr_done;               /* p2p: header sent/received */
+  int algo;                   /* collectives: enum algo_id chosen by algo_run (header flags) */
   struct op *next;
 };
 
@@ -362,6 +363,7 @@ chorus_result_t msg_rx_consume(struct msg_rx *rx, size_t len);
 chorus_result_t msg_rx_header(struct msg_rx *rx, int *ready);
 
 /* algo/ files: each collective's schedule. Run on the engine thread. */
+const char *algo_name(int id); /* enum algo_id in algo/algo.h */
 chorus_result_t algo_run(struct chorus_comm *comm, struct op *op);
 /* p2p progress (engine.c) */
 chorus_result_t p2p_progress(struct chorus_comm *comm, int *progressed);

@@ -19,6 +19,7 @@ static void fill_hdr(struct msg_hdr *h, const struct op *op, size_t len) {
   h->root = (op->kind == OP_SEND || op->kind == OP_RECV) ? op->tag : op->root;
   h->count = op->count;
   h->len = len;
+  if (op->kind != OP_SEND && op->kind != OP_RECV) h->flags = (uint8_t)op->algo;
 }
 
 void msg_tx_init(struct msg_tx *tx, conn_t *c, const struct op *op, const void *buf, size_t len) {
@@ -86,9 +87,12 @@ static const char *redop_str(unsigned o) {
 }
 
 static int describe_hdr(const struct msg_hdr *h, int is_p2p, char *buf, size_t cap) {
-  return snprintf(buf, cap, "%s seq %u count %llu %s %s %s %d (%llu bytes)", kind_str(h->kind),
-                  h->seq, (unsigned long long)h->count, dtype_str(h->dtype), redop_str(h->redop),
-                  is_p2p ? "tag" : "root", h->root, (unsigned long long)h->len);
+  int n = snprintf(buf, cap, "%s seq %u count %llu %s %s %s %d (%llu bytes)", kind_str(h->kind),
+                   h->seq, (unsigned long long)h->count, dtype_str(h->dtype), redop_str(h->redop),
+                   is_p2p ? "tag" : "root", h->root, (unsigned long long)h->len);
+  if (!is_p2p && n > 0 && (size_t)n < cap)
+    n += snprintf(buf + n, cap - (size_t)n, " with algorithm %s", algo_name(h->flags));
+  return n;
 }
 
 static chorus_result_t validate_hdr(struct msg_rx *rx) {
@@ -101,7 +105,7 @@ static chorus_result_t validate_hdr(struct msg_rx *rx) {
                           comm->rank, peer, g->magic);
   int p2p = e->kind == OP_RECV;
   int same = g->seq == e->seq && g->kind == e->kind && g->len == e->len && g->root == e->root;
-  if (!p2p) same = same && g->dtype == e->dtype && g->count == e->count;
+  if (!p2p) same = same && g->dtype == e->dtype && g->count == e->count && g->flags == e->flags;
   if (!p2p && (e->kind == OP_ALLREDUCE || e->kind == OP_REDUCE || e->kind == OP_REDUCE_SCATTER))
     same = same && g->redop == e->redop;
   if (same) return CHORUS_SUCCESS;

@@ -106,19 +106,51 @@ out:
   return res;
 }
 
+const struct algo_desc algo_table[ALGO_COUNT] = {
+    [ALGO_DIRECT] = {"direct",
+                     {[OP_ALLREDUCE] = direct_allreduce,
+                      [OP_BROADCAST] = direct_broadcast,
+                      [OP_REDUCE] = direct_reduce,
+                      [OP_ALLGATHER] = direct_allgatherv,
+                      [OP_REDUCE_SCATTER] = direct_reduce_scatterv,
+                      [OP_GATHER] = direct_gather,
+                      [OP_SCATTER] = direct_scatter,
+                      [OP_ALLTOALL] = direct_alltoallv,
+                      [OP_BARRIER] = direct_barrier}},
+    [ALGO_RING] = {"ring", {0}},
+    [ALGO_TREE] = {"tree", {0}},
+    [ALGO_RHD] = {"rhd", {0}},
+    [ALGO_RD] = {"rd", {0}},
+    [ALGO_BRUCK] = {"bruck", {0}},
+    [ALGO_PAIRWISE] = {"pairwise", {0}},
+    [ALGO_ONESHOT] = {"oneshot", {0}},
+    [ALGO_TWOSHOT] = {"twoshot", {0}},
+    [ALGO_HIER] = {"hier", {0}},
+};
+
+const char *algo_name(int id) {
+  return id >= 0 && id < ALGO_COUNT ? algo_table[id].name : "unknown";
+}
+
+int algo_from_name(const char *name) {
+  for (int i = 0; i < ALGO_COUNT; i++)
+    if (strcmp(algo_table[i].name, name) == 0) return i;
+  return -1;
+}
+
+int algo_usable(const struct chorus_comm *comm, const struct op *op, int id) {
+  if (id < 0 || id >= ALGO_COUNT || (unsigned)op->kind >= OP_KIND_COUNT) return 0;
+  if (!algo_table[id].run[op->kind]) return 0;
+  (void)comm;
+  return 1;
+}
+
 chorus_result_t algo_run(struct chorus_comm *comm, struct op *op) {
-  switch (op->kind) {
-    case OP_ALLREDUCE: return direct_allreduce(comm, op);
-    case OP_BROADCAST: return direct_broadcast(comm, op);
-    case OP_REDUCE: return direct_reduce(comm, op);
-    case OP_ALLGATHER: return direct_allgatherv(comm, op);
-    case OP_REDUCE_SCATTER: return direct_reduce_scatterv(comm, op);
-    case OP_GATHER: return direct_gather(comm, op);
-    case OP_SCATTER: return direct_scatter(comm, op);
-    case OP_ALLTOALL: return direct_alltoallv(comm, op);
-    case OP_BARRIER: return direct_barrier(comm, op);
-    default:
-      return comm_set_error(comm, CHORUS_ERR_INTERNAL, "rank %d: %s is not a collective",
-                            comm->rank, op_kind_name(op->kind));
-  }
+  if ((unsigned)op->kind >= OP_BARRIER + 1)
+    return comm_set_error(comm, CHORUS_ERR_INTERNAL, "rank %d: %s is not a collective",
+                          comm->rank, op_kind_name(op->kind));
+  int id = algo_select(comm, op);
+  if (!algo_usable(comm, op, id)) id = ALGO_DIRECT;
+  op->algo = id;
+  return algo_table[id].run[op->kind](comm, op);
 }
