@@ -90,6 +90,7 @@ static void comm_free(struct chorus_comm *comm) {
   if (comm->bs_owner && comm->bs.release) comm->bs.release(comm->bs.ctx);
   free(comm->peers);
   free(comm->local_rank_of);
+  free(comm->host_of);
   pthread_mutex_destroy(&comm->mu);
   pthread_mutex_destroy(&comm->err_mu);
   pthread_cond_destroy(&comm->idle_cv);
@@ -119,14 +120,27 @@ static chorus_result_t comm_init(struct chorus_comm *comm, const chorus_comm_opt
   if (n > 1) CHECK(socket_listen(comm, &mine));
   comm->peers = calloc((size_t)n, sizeof(struct peer_info));
   comm->local_rank_of = calloc((size_t)n, sizeof(int));
+  comm->host_of = calloc((size_t)n, sizeof(int));
   for (int ch = 0; ch < CHAN_COUNT; ch++) comm->conns[ch] = calloc((size_t)n, sizeof(conn_t *));
-  if (!comm->peers || !comm->local_rank_of || !comm->conns[0] || !comm->conns[1])
+  if (!comm->peers || !comm->local_rank_of || !comm->host_of || !comm->conns[0] || !comm->conns[1])
     return comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d: out of memory", me);
   CHECK(bs_allgather(comm, "peers", &mine, comm->peers, sizeof mine));
   comm->nlocal = 0;
   for (int r = 0; r < n; r++) {
     if (strcmp(comm->peers[r].hostid, mine.hostid) == 0) comm->local_rank_of[r] = comm->nlocal++;
     else comm->local_rank_of[r] = -1;
+  }
+  /* Hosts numbered in order of their lowest rank; the same on every rank. */
+  comm->nhosts = 0;
+  comm->max_per_host = 0;
+  for (int r = 0; r < n; r++) {
+    int h = -1, count = 0;
+    for (int q = 0; q < r && h < 0; q++)
+      if (strcmp(comm->peers[q].hostid, comm->peers[r].hostid) == 0) h = comm->host_of[q];
+    comm->host_of[r] = h >= 0 ? h : comm->nhosts++;
+    for (int q = 0; q < n; q++)
+      count += strcmp(comm->peers[q].hostid, comm->peers[r].hostid) == 0;
+    if (count > comm->max_per_host) comm->max_per_host = count;
   }
   if (n > 1) {
     CHECK(shm_setup(comm));
@@ -140,6 +154,7 @@ static chorus_result_t comm_init(struct chorus_comm *comm, const chorus_comm_opt
     INFO(SUB_INIT, me, "peer %d (%s) via %s", p, comm->peers[p].hostname,
          comm->conns[CHAN_COLL][p]->ops->name);
   }
+  CHECK(tune_init(comm));
   CHECK(engine_start(comm));
   INFO(SUB_INIT, me, "communicator %s ready: %d ranks, %d on this host, timeout %d ms",
        comm->name[0] ? comm->name : "-", n, comm->nlocal, comm->timeout_ms);

@@ -280,6 +280,10 @@ struct chorus_comm {
   struct peer_info *peers;    /* nranks entries */
   int nlocal;                 /* ranks on this host (this one included) */
   int *local_rank_of;         /* rank -> index among local ranks, -1 if remote */
+  int *host_of;               /* rank -> host index (hosts numbered by their lowest rank) */
+  int nhosts;
+  int max_per_host;           /* most ranks on any one host */
+  int algo_force[OP_KIND_COUNT]; /* enum algo_id per collective from CHORUS_ALGO, -1: tuner */
   conn_t **conns[CHAN_COUNT]; /* [channel][peer], NULL for self */
   struct shm_state *shm;
   struct sock_state *sock;
@@ -364,6 +368,8 @@ chorus_result_t msg_rx_header(struct msg_rx *rx, int *ready);
 
 /* algo/ files: each collective's schedule. Run on the engine thread. */
 const char *algo_name(int id); /* enum algo_id in algo/algo.h */
+/* tune.c: reads CHORUS_ALGO into comm->algo_force (after the topology is known). */
+chorus_result_t tune_init(struct chorus_comm *comm);
 chorus_result_t algo_run(struct chorus_comm *comm, struct op *op);
 /* p2p progress (engine.c) */
 chorus_result_t p2p_progress(struct chorus_comm *comm, int *progressed);

@@ -149,7 +149,8 @@ chorus_result_t algo_run(struct chorus_comm *comm, struct op *op) {
   if ((unsigned)op->kind >= OP_BARRIER + 1)
     return comm_set_error(comm, CHORUS_ERR_INTERNAL, "rank %d: %s is not a collective",
                           comm->rank, op_kind_name(op->kind));
-  int id = algo_select(comm, op);
+  int id = comm->algo_force[op->kind];
+  if (!algo_usable(comm, op, id)) id = algo_select(comm, op);
   if (!algo_usable(comm, op, id)) id = ALGO_DIRECT;
   op->algo = id;
   return algo_table[id].run[op->kind](comm, op);
