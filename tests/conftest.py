@@ -34,7 +34,9 @@ def config_id(world, transport):
 def transport_env(transport):
     # CHORUS_SHM_DISABLE=1 forces TCP sockets between ranks of one host.
     return {"CHORUS_SHM_DISABLE": "1" if transport == "socket" else "0",
-            "CHORUS_BUFFSIZE": BUFFSIZE}
+            "CHORUS_BUFFSIZE": BUFFSIZE,
+            # small direct-access halves, so that chunking is exercised too
+            "CHORUS_SHM_SCRATCH": "65536"}
 
 
 def describe_case(rec):

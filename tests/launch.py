@@ -43,6 +43,9 @@ def base_env(world_size, port, extra=None):
         PYTHONDONTWRITEBYTECODE="1",
     )
     env.setdefault("CHORUS_TEST_BACKEND", backend_under_test())
+    # Tests talk over loopback only, never over the machine's real interfaces.
+    env.setdefault("CHORUS_SOCKET_IFNAME", "=lo")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if extra:
         for k, v in extra.items():
             if v is None:

@@ -65,6 +65,9 @@ int chorus_log_enabled(int level, int subsys);
   X(SPIN_COUNT, "SPIN_COUNT", "int", "-1", 0,                                                \
     "Polls of an idle connection before the waiting thread yields the core, then sleeps; "    \
     "-1: 2000 when every local rank has a core of its own, else 0.")                         \
+  X(SHM_SCRATCH, "SHM_SCRATCH", "size", "1M", 0,                                              \
+    "Bytes of shared memory per rank for the same-host direct-access algorithms (oneshot, "  \
+    "twoshot); messages are processed in chunks of half of it.")                             \
   X(SOCKET_SNDBUF, "SOCKET_SNDBUF", "size", "0", 0,                                          \
     "SO_SNDBUF/SO_RCVBUF for data sockets; 0 leaves the kernel's autotuning.")
 
@@ -122,6 +125,9 @@ void reduce_premul(void *out, const void *in, size_t count, chorus_dtype_t dtype
                    double factor);
 /* buf[i] = buf[i] / divisor: floats divide in their accumulator type, integers truncate. */
 void reduce_divide(void *buf, size_t count, chorus_dtype_t dtype, int divisor);
+/* memcpy that bypasses the caches for the destination (non-temporal stores) where the
+ * CPU has them: for outputs too big to stay cached, it saves the read-for-ownership. */
+void copy_stream(void *dst, const void *src, size_t n);
 float half_to_float(uint16_t h);
 uint16_t float_to_half(float f);     /* round to nearest even */
 float bf16_to_float(uint16_t b);
@@ -184,6 +190,28 @@ struct peer_info {
 
 /* shm.c */
 struct shm_state;
+/* Published by each rank in its own segment for the direct-access algorithms: progress
+ * counters (chunk generations) and, per scratch half, the fingerprint of what it holds. */
+struct shm_fp {
+  uint64_t seq, count, gen;
+  uint32_t kind, dtype, redop, algo;
+  int32_t root;
+  uint32_t pad;
+};
+struct shm_flags {
+  _Atomic uint64_t posted;   /* generation whose input is in the scratch half gen % 2 */
+  char pad0[56];
+  _Atomic uint64_t reduced;  /* generation whose owned slice is reduced (two-shot) */
+  char pad1[56];
+  _Atomic uint64_t done;     /* generation this rank finished reading from everyone */
+  char pad2[56];
+  struct shm_fp fp[2];
+};
+size_t shm_scratch_half(const struct chorus_comm *comm);  /* 0 without shm */
+void *shm_scratch(struct chorus_comm *comm, int local, int half);
+struct shm_flags *shm_flags_of(struct chorus_comm *comm, int local);
+void shm_notify_local(struct chorus_comm *comm);          /* rings every local doorbell */
+void shm_mark_waiting(struct chorus_comm *comm, int peer); /* check its liveness while idle */
 chorus_result_t shm_setup(struct chorus_comm *comm);  /* connects every same-host peer */
 void shm_teardown(struct chorus_comm *comm);
 /* Futex word of this rank; rung by peers when they write to or read from us. */
@@ -311,6 +339,7 @@ struct chorus_comm {
   void *engine_priv;                    /* engine.c's per-peer p2p state */
   uint32_t db_seen;                     /* doorbell value at the last progress check */
   int spin;                             /* polls before yielding (SPIN_COUNT or auto) */
+  uint64_t dgen;                        /* last direct-access chunk generation */
 };
 
 /* engine.c */

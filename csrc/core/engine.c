@@ -409,7 +409,7 @@ chorus_result_t engine_poll(struct chorus_comm *comm, struct op *op, int *idle_i
   int spin = comm->spin;
   if (n < spin) {
     cpu_relax();
-  } else if (n < spin + 64) {
+  } else if (n < spin + (spin ? 64 : 2)) {
     sched_yield();
   } else {
     int64_t now = now_ns();

@@ -407,6 +407,38 @@ static bool have_avx2_f16c(void) {
 }
 #endif /* REDUCE_X86 */
 
+/* ------------------------------------------------------------------ streaming copy */
+void copy_stream(void *dst, const void *src, size_t n) {
+#if REDUCE_X86
+  uint8_t *d = dst;
+  const uint8_t *s = src;
+  if (n < 4096) {
+    memcpy(d, s, n);
+    return;
+  }
+  size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+  memcpy(d, s, head);
+  d += head;
+  s += head;
+  n -= head;
+  size_t body = n & ~(size_t)63;
+  for (size_t i = 0; i < body; i += 64) {
+    __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
+    __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+    __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
+    __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+    _mm_stream_si128((__m128i *)(d + i), a);
+    _mm_stream_si128((__m128i *)(d + i + 16), b);
+    _mm_stream_si128((__m128i *)(d + i + 32), c);
+    _mm_stream_si128((__m128i *)(d + i + 48), e);
+  }
+  _mm_sfence();
+  memcpy(d + body, s + body, n - body);
+#else
+  memcpy(dst, src, n);
+#endif
+}
+
 /* ------------------------------------------------------------------ public entry points */
 bool reduce_op_supported(chorus_dtype_t dtype, chorus_op_kind_t op) {
   if ((unsigned)dtype >= CHORUS_DTYPE_COUNT || (unsigned)op >= CHORUS_OP_COUNT) return false;

@@ -265,6 +265,7 @@ static int run_world(int n, int shm) {
 
 int main(void) {
   int passed = 0, failed = 0;
+  setenv("CHORUS_SOCKET_IFNAME", "=lo", 1); /* tests talk over loopback only */
   const char *only = getenv("TEST_COMM_ONLY"); /* e.g. "socket:2" to debug one world */
   for (int shm = 1; shm >= 0; shm--)
     for (int n = 1; n <= 4; n++) {

@@ -123,8 +123,15 @@ const struct algo_desc algo_table[ALGO_COUNT] = {
     [ALGO_RD] = {"rd", {0}},
     [ALGO_BRUCK] = {"bruck", {0}},
     [ALGO_PAIRWISE] = {"pairwise", {0}},
-    [ALGO_ONESHOT] = {"oneshot", {0}},
-    [ALGO_TWOSHOT] = {"twoshot", {0}},
+    [ALGO_ONESHOT] = {"oneshot",
+                      {[OP_ALLREDUCE] = oneshot_allreduce,
+                       [OP_BROADCAST] = oneshot_broadcast,
+                       [OP_REDUCE] = oneshot_reduce,
+                       [OP_ALLGATHER] = oneshot_allgatherv,
+                       [OP_REDUCE_SCATTER] = oneshot_reduce_scatterv,
+                       [OP_ALLTOALL] = oneshot_alltoall,
+                       [OP_BARRIER] = oneshot_barrier}},
+    [ALGO_TWOSHOT] = {"twoshot", {[OP_ALLREDUCE] = twoshot_allreduce}},
     [ALGO_HIER] = {"hier", {0}},
 };
 
@@ -141,7 +148,7 @@ int algo_from_name(const char *name) {
 int algo_usable(const struct chorus_comm *comm, const struct op *op, int id) {
   if (id < 0 || id >= ALGO_COUNT || (unsigned)op->kind >= OP_KIND_COUNT) return 0;
   if (!algo_table[id].run[op->kind]) return 0;
-  (void)comm;
+  if (id == ALGO_ONESHOT || id == ALGO_TWOSHOT) return shm_direct_ok(comm, op, id);
   return 1;
 }
 

@@ -68,6 +68,19 @@ int algo_usable(const struct chorus_comm *comm, const struct op *op, int id);
  * every rank of a correct program: the collective, its byte count, nranks and topology. */
 int algo_select(struct chorus_comm *comm, const struct op *op);
 
+/* Same-host direct-access schedules: algo/shm_direct.c */
+#define CHORUS_MAX_LOCAL_DIRECT 256 /* most ranks the direct-access algorithms serve */
+chorus_result_t oneshot_allreduce(struct chorus_comm *comm, struct op *op);
+chorus_result_t twoshot_allreduce(struct chorus_comm *comm, struct op *op);
+chorus_result_t oneshot_reduce(struct chorus_comm *comm, struct op *op);
+chorus_result_t oneshot_broadcast(struct chorus_comm *comm, struct op *op);
+chorus_result_t oneshot_allgatherv(struct chorus_comm *comm, struct op *op);
+chorus_result_t oneshot_reduce_scatterv(struct chorus_comm *comm, struct op *op);
+chorus_result_t oneshot_alltoall(struct chorus_comm *comm, struct op *op);
+chorus_result_t oneshot_barrier(struct chorus_comm *comm, struct op *op);
+/* Topology and shape checks of the two ids above. */
+int shm_direct_ok(const struct chorus_comm *comm, const struct op *op, int id);
+
 /* Direct (all-pairs) schedules: algo/direct.c */
 chorus_result_t direct_allreduce(struct chorus_comm *comm, struct op *op);
 chorus_result_t direct_broadcast(struct chorus_comm *comm, struct op *op);

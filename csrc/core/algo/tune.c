@@ -7,7 +7,9 @@ chorus_result_t tune_init(struct chorus_comm *comm) {
 }
 
 int algo_select(struct chorus_comm *comm, const struct op *op) {
-  (void)comm;
-  (void)op;
+  size_t bytes = op->count * dtype_size(op->dtype);
+  if (op->kind == OP_ALLREDUCE && bytes > ((size_t)128 << 10) && algo_usable(comm, op, ALGO_TWOSHOT))
+    return ALGO_TWOSHOT;
+  if (algo_usable(comm, op, ALGO_ONESHOT)) return ALGO_ONESHOT;
   return ALGO_DIRECT;
 }

@@ -27,12 +27,15 @@ struct seg_ctrl {
   int32_t rank;
   int32_t nlocal;
   uint64_t ring_size;
-  char pad0[CACHELINE - 24];
+  uint64_t scratch_size;
+  char pad0[CACHELINE - 32];
   _Atomic uint32_t doorbell;
   _Atomic uint32_t sleepers;
   char pad1[CACHELINE - 8];
   _Atomic int32_t failed; /* 1 once this rank recorded an error; text below */
   char error[500];
+  char pad2[CACHELINE - (4 + 500) % CACHELINE];
+  struct shm_flags flags __attribute__((aligned(CACHELINE))); /* algo/shm_direct.c */
 };
 
 struct ring_hdr {
@@ -65,13 +68,19 @@ struct shm_state {
   int nlocal;
   int my_local;
   uint64_t ring_size;
+  uint64_t scratch_size; /* bytes of each rank's direct-access area (two halves) */
   int unlinked;
 };
 
-static size_t seg_size(int nlocal, uint64_t ring) {
+static size_t seg_size(int nlocal, uint64_t ring, uint64_t scratch) {
   size_t per = sizeof(struct ring_hdr) + ring;
   return sizeof(struct seg_ctrl) + (size_t)(nlocal > 1 ? nlocal - 1 : 0) * CHAN_COUNT * per +
-         CACHELINE;
+         CACHELINE + scratch;
+}
+
+/* The direct-access area sits after the rings, page aligned. */
+static size_t scratch_offset(int nlocal, uint64_t ring) {
+  return (seg_size(nlocal, ring, 0) + 4095) & ~(size_t)4095;
 }
 
 /* Ring of sender local index s inside the segment of receiver local index r. */
@@ -250,7 +259,10 @@ chorus_result_t shm_setup(struct chorus_comm *comm) {
   if (ring < 4096) ring = 4096;
   ring = (ring + 4095) & ~(uint64_t)4095;
   st->ring_size = ring;
-  size_t len = seg_size(nlocal, ring);
+  uint64_t scratch = (uint64_t)param_int(PARAM_SHM_SCRATCH);
+  scratch = (scratch + 8191) & ~(uint64_t)8191; /* two page-aligned halves */
+  st->scratch_size = scratch;
+  size_t len = scratch_offset(nlocal, ring) + scratch;
 
   seg_name(st->name, sizeof st->name, comm->job_nonce, me);
   int fd = shm_open(st->name, O_CREAT | O_EXCL | O_RDWR, 0600);
@@ -284,6 +296,7 @@ chorus_result_t shm_setup(struct chorus_comm *comm) {
   ctrl->rank = me;
   ctrl->nlocal = nlocal;
   ctrl->ring_size = ring;
+  ctrl->scratch_size = scratch;
 
   chorus_result_t res = bs_barrier(comm, "shm_created");
   if (res == CHORUS_SUCCESS) {
@@ -306,10 +319,11 @@ chorus_result_t shm_setup(struct chorus_comm *comm) {
       }
       st->peer_seg[i] = p;
       st->peer_len[i] = len;
-      if (((struct seg_ctrl *)p)->magic != SEG_MAGIC || ((struct seg_ctrl *)p)->ring_size != ring) {
+      if (((struct seg_ctrl *)p)->magic != SEG_MAGIC || ((struct seg_ctrl *)p)->ring_size != ring ||
+          ((struct seg_ctrl *)p)->scratch_size != scratch) {
         res = comm_set_error(comm, CHORUS_ERR_INVALID,
-                             "rank %d: rank %d uses a different CHORUS_BUFFSIZE", me,
-                             st->local_ranks[i]);
+                             "rank %d: rank %d uses a different CHORUS_BUFFSIZE or "
+                             "CHORUS_SHM_SCRATCH", me, st->local_ranks[i]);
         break;
       }
     }
@@ -360,4 +374,32 @@ void shm_teardown(struct chorus_comm *comm) {
   free(st->peer_len);
   free(st);
   comm->shm = NULL;
+}
+
+/* ---------------------------------------------------------------- direct access */
+size_t shm_scratch_half(const struct chorus_comm *comm) {
+  return comm->shm ? (size_t)(comm->shm->scratch_size / 2) : 0;
+}
+
+void *shm_scratch(struct chorus_comm *comm, int local, int half) {
+  struct shm_state *st = comm->shm;
+  return (uint8_t *)st->peer_seg[local] + scratch_offset(st->nlocal, st->ring_size) +
+         (size_t)half * (size_t)(st->scratch_size / 2);
+}
+
+struct shm_flags *shm_flags_of(struct chorus_comm *comm, int local) {
+  return &((struct seg_ctrl *)comm->shm->peer_seg[local])->flags;
+}
+
+void shm_notify_local(struct chorus_comm *comm) {
+  struct shm_state *st = comm->shm;
+  for (int i = 0; i < st->nlocal; i++)
+    if (i != st->my_local) ring_doorbell((struct seg_ctrl *)st->peer_seg[i]);
+}
+
+void shm_mark_waiting(struct chorus_comm *comm, int peer) {
+  for (int ch = 0; ch < CHAN_COUNT; ch++) {
+    conn_t *c = comm->conns[ch][peer];
+    if (c && c->ops == &shm_ops) ((struct shm_conn *)c)->waiting = 1;
+  }
 }

@@ -1,0 +1,429 @@
+/* shm_direct.c - same-host direct-access algorithms. Every rank owns a scratch area of two
+ * halves in its shared-memory segment that all local ranks map. A collective is cut into
+ * chunks of at most one half; chunk g uses half g % 2. For each chunk a rank copies its
+ * contribution into its own scratch once, publishes the generation (and the fingerprint of
+ * the call), and then reads what it needs straight out of the peers' scratch:
+ *   oneshot: every rank reduces all n inputs itself (one synchronisation; small messages).
+ *   twoshot: rank r reduces slice r of the chunk from all inputs into its own scratch, then
+ *            every rank copies the n reduced slices out (two synchronisations, each byte
+ *            reduced once; large messages).
+ * Reductions combine the inputs in rank order with one rounding, so every rank gets
+ * bit-identical results. A rank may refill a half only after every peer has said it is done
+ * reading the chunk that used it before (two generations ago), so a fast rank never
+ * overwrites what a slow one still reads. Only usable when every rank of the communicator
+ * is on this host and shared memory is on. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "algo.h"
+
+enum { F_POSTED = 0, F_REDUCED = 1, F_DONE = 2 };
+
+struct dx {
+  struct chorus_comm *comm;
+  struct op *op;
+  int n, me;
+  size_t es;
+  size_t half;
+};
+
+static _Atomic uint64_t *flag_of(struct dx *x, int rank, int which) {
+  struct shm_flags *f = shm_flags_of(x->comm, x->comm->local_rank_of[rank]);
+  return which == F_POSTED ? &f->posted : which == F_REDUCED ? &f->reduced : &f->done;
+}
+
+static uint8_t *scratch_of(struct dx *x, int rank, uint64_t g) {
+  return shm_scratch(x->comm, x->comm->local_rank_of[rank], (int)(g & 1));
+}
+
+static void fp_fill(struct dx *x, struct shm_fp *fp, uint64_t g) {
+  const struct op *op = x->op;
+  memset(fp, 0, sizeof *fp);
+  fp->seq = op->seq;
+  /* all-to-all carries no total: its (uniform) block size stands in */
+  fp->count = op->kind == OP_ALLTOALL && op->counts ? op->counts[0] : op->count;
+  fp->gen = g;
+  fp->kind = (uint32_t)op->kind;
+  fp->dtype = (uint32_t)op->dtype;
+  fp->redop = (uint32_t)op->op.kind;
+  fp->algo = (uint32_t)op->algo;
+  fp->root = op->root;
+}
+
+static int fp_describe(const struct shm_fp *f, char *buf, size_t cap) {
+  return snprintf(buf, cap, "%s seq %llu count %llu %s %s root %d with algorithm %s (chunk %llu)",
+                  f->kind < OP_KIND_COUNT ? op_kind_name((enum op_kind)f->kind) : "unknown",
+                  (unsigned long long)f->seq, (unsigned long long)f->count,
+                  f->dtype < CHORUS_DTYPE_COUNT ? chorus_dtype_name((chorus_dtype_t)f->dtype)
+                                                : "unknown",
+                  f->redop < CHORUS_OP_COUNT ? chorus_op_name((chorus_op_kind_t)f->redop)
+                                             : "unknown",
+                  f->root, algo_name((int)f->algo), (unsigned long long)f->gen);
+}
+
+static chorus_result_t fp_check(struct dx *x, int peer, uint64_t g) {
+  const struct shm_fp *got = &shm_flags_of(x->comm, x->comm->local_rank_of[peer])->fp[g & 1];
+  struct shm_fp want;
+  fp_fill(x, &want, g);
+  int red = x->op->kind == OP_ALLREDUCE || x->op->kind == OP_REDUCE ||
+            x->op->kind == OP_REDUCE_SCATTER;
+  if (got->seq == want.seq && got->count == want.count && got->gen == want.gen &&
+      got->kind == want.kind && got->dtype == want.dtype && got->algo == want.algo &&
+      got->root == want.root && (!red || got->redop == want.redop))
+    return CHORUS_SUCCESS;
+  char mine[256], theirs[256];
+  fp_describe(&want, mine, sizeof mine);
+  fp_describe(got, theirs, sizeof theirs);
+  return comm_set_error(x->comm, CHORUS_ERR_MISMATCH,
+                        "mismatched calls: rank %d called %s but rank %d called %s", x->me, mine,
+                        peer, theirs);
+}
+
+/* A peer we still wait for has written a framed message to us: it runs a message-based
+ * algorithm for this call, so the two ranks disagree about the call. */
+static chorus_result_t check_no_message(struct dx *x, int peer) {
+  conn_t *c = x->comm->conns[CHAN_COLL][peer];
+  const void *p;
+  size_t len;
+  if (!c) return CHORUS_SUCCESS;
+  CHECK(c->ops->peek(c, &p, &len));
+  if (len < sizeof(struct msg_hdr)) return CHORUS_SUCCESS;
+  struct msg_hdr h;
+  memcpy(&h, p, sizeof h);
+  struct shm_fp want;
+  fp_fill(x, &want, x->comm->dgen);
+  char mine[256];
+  fp_describe(&want, mine, sizeof mine);
+  return comm_set_error(x->comm, CHORUS_ERR_MISMATCH,
+                        "mismatched calls: rank %d called %s but rank %d sent a message for "
+                        "%s seq %u count %llu with algorithm %s",
+                        x->me, mine, peer,
+                        h.kind < OP_KIND_COUNT ? op_kind_name((enum op_kind)h.kind) : "unknown",
+                        h.seq, (unsigned long long)h.count, algo_name(h.flags));
+}
+
+/* Waits until flag `which` of `only` (or of every peer when only < 0) reaches g. */
+static chorus_result_t wait_flag(struct dx *x, int which, uint64_t g, int only) {
+  int idle = 0;
+  for (;;) {
+    int missing = -1;
+    for (int p = only < 0 ? 0 : only; p < (only < 0 ? x->n : only + 1); p++) {
+      if (p == x->me) continue;
+      if (atomic_load_explicit(flag_of(x, p, which), memory_order_acquire) < g) {
+        missing = p;
+        break;
+      }
+    }
+    if (missing < 0) break;
+    CHECK(check_no_message(x, missing));
+    shm_mark_waiting(x->comm, missing);
+    CHECK(engine_poll(x->comm, x->op, &idle));
+  }
+  if (which == F_POSTED)
+    for (int p = only < 0 ? 0 : only; p < (only < 0 ? x->n : only + 1); p++)
+      if (p != x->me) CHECK(fp_check(x, p, g));
+  return CHORUS_SUCCESS;
+}
+
+static void publish(struct dx *x, int which, uint64_t g) {
+  struct shm_flags *f = shm_flags_of(x->comm, x->comm->local_rank_of[x->me]);
+  if (which == F_POSTED) fp_fill(x, &f->fp[g & 1], g);
+  atomic_store_explicit(flag_of(x, x->me, which), g, memory_order_release);
+  shm_notify_local(x->comm);
+}
+
+/* Starts the next chunk. A rank that writes its scratch first waits until every peer is
+ * done with the chunk that used the same half. */
+static chorus_result_t chunk_begin(struct dx *x, int writes, uint64_t *g, uint8_t **mine) {
+  uint64_t gen = ++x->comm->dgen;
+  if (writes && gen > 2) CHECK(wait_flag(x, F_DONE, gen - 2, -1));
+  *g = gen;
+  if (mine) *mine = scratch_of(x, x->me, gen);
+  return CHORUS_SUCCESS;
+}
+
+static void dx_init(struct dx *x, struct chorus_comm *comm, struct op *op) {
+  x->comm = comm;
+  x->op = op;
+  x->n = comm->nranks;
+  x->me = comm->rank;
+  x->es = dtype_size(op->dtype);
+  x->half = shm_scratch_half(comm);
+}
+
+/* Copies count elements of the caller's input into shared memory, pre-scaled for
+ * PREMUL_SUM. */
+static void copy_in(struct dx *x, void *dst, const void *src, size_t count) {
+  if (!count) return;
+  if (x->op->kind != OP_BROADCAST && x->op->op.kind == CHORUS_PREMUL_SUM &&
+      x->op->kind != OP_ALLGATHER && x->op->kind != OP_ALLTOALL)
+    reduce_premul(dst, src, count, x->op->dtype, x->op->op.factor);
+  else
+    memcpy(dst, src, count * x->es);
+}
+
+static size_t div_up(size_t a, size_t b) { return (a + b - 1) / b; }
+
+/* Outputs at least this big leave the caches anyway: write them with streaming stores. */
+#define STREAM_MIN_BYTES ((size_t)512 << 10)
+static void copy_out(void *dst, const void *src, size_t n, size_t total) {
+  if (total >= STREAM_MIN_BYTES) copy_stream(dst, src, n);
+  else memcpy(dst, src, n);
+}
+
+/* ------------------------------------------------------------------ all-reduce */
+static chorus_result_t allreduce(struct chorus_comm *comm, struct op *op, int two) {
+  struct dx x;
+  dx_init(&x, comm, op);
+  const size_t per = x.half / x.es; /* elements per chunk */
+  const size_t nch = op->count ? div_up(op->count, per) : 1;
+  const chorus_op_kind_t kind = base_op(op->op.kind);
+  const void *in[CHORUS_MAX_LOCAL_DIRECT];
+  const size_t unit = 64 / x.es;
+  for (size_t k = 0; k < nch; k++) {
+    size_t off = k * per, cnt = op->count - off < per ? op->count - off : per;
+    if (!op->count) cnt = 0;
+    uint64_t g;
+    uint8_t *mine;
+    CHECK(chunk_begin(&x, 1, &g, &mine));
+    copy_in(&x, mine, (const uint8_t *)op->sendbuf + off * x.es, cnt);
+    publish(&x, F_POSTED, g);
+    CHECK(wait_flag(&x, F_POSTED, g, -1));
+    uint8_t *out = (uint8_t *)op->recvbuf + off * x.es;
+    if (!two) {
+      for (int p = 0; p < x.n; p++) in[p] = scratch_of(&x, p, g);
+      if (cnt) {
+        reduce_n(out, in, x.n, cnt, op->dtype, kind);
+        if (op->op.kind == CHORUS_AVG) reduce_divide(out, cnt, op->dtype, x.n);
+      }
+    } else {
+      /* slice p: [p * q, (p + 1) * q) clipped, q rounded up to a cache line */
+      size_t q = div_up(div_up(cnt, (size_t)x.n), unit) * unit;
+      size_t s0 = (size_t)x.me * q < cnt ? (size_t)x.me * q : cnt;
+      size_t s1 = s0 + q < cnt ? s0 + q : cnt;
+      if (s1 > s0) {
+        for (int p = 0; p < x.n; p++) in[p] = scratch_of(&x, p, g) + s0 * x.es;
+        reduce_n(mine + s0 * x.es, in, x.n, s1 - s0, op->dtype, kind);
+        if (op->op.kind == CHORUS_AVG) reduce_divide(mine + s0 * x.es, s1 - s0, op->dtype, x.n);
+      }
+      publish(&x, F_REDUCED, g);
+      CHECK(wait_flag(&x, F_REDUCED, g, -1));
+      for (int p = 0; p < x.n; p++) {
+        size_t a = (size_t)p * q < cnt ? (size_t)p * q : cnt, b = a + q < cnt ? a + q : cnt;
+        if (b > a)
+          copy_out(out + a * x.es, scratch_of(&x, p, g) + a * x.es, (b - a) * x.es,
+                   op->count * x.es);
+      }
+    }
+    publish(&x, F_DONE, g);
+  }
+  return CHORUS_SUCCESS;
+}
+
+chorus_result_t oneshot_allreduce(struct chorus_comm *comm, struct op *op) {
+  return allreduce(comm, op, 0);
+}
+chorus_result_t twoshot_allreduce(struct chorus_comm *comm, struct op *op) {
+  return allreduce(comm, op, 1);
+}
+
+/* ------------------------------------------------------------------ reduce */
+/* Every rank posts its chunk; the root reduces all of them into its output. */
+chorus_result_t oneshot_reduce(struct chorus_comm *comm, struct op *op) {
+  struct dx x;
+  dx_init(&x, comm, op);
+  const size_t per = x.half / x.es;
+  const size_t nch = op->count ? div_up(op->count, per) : 1;
+  const void *in[CHORUS_MAX_LOCAL_DIRECT];
+  for (size_t k = 0; k < nch; k++) {
+    size_t off = k * per, cnt = op->count ? (op->count - off < per ? op->count - off : per) : 0;
+    uint64_t g;
+    uint8_t *mine;
+    CHECK(chunk_begin(&x, 1, &g, &mine));
+    copy_in(&x, mine, (const uint8_t *)op->sendbuf + off * x.es, cnt);
+    publish(&x, F_POSTED, g);
+    if (x.me == op->root) {
+      CHECK(wait_flag(&x, F_POSTED, g, -1));
+      for (int p = 0; p < x.n; p++) in[p] = scratch_of(&x, p, g);
+      uint8_t *out = (uint8_t *)op->recvbuf + off * x.es;
+      if (cnt) {
+        reduce_n(out, in, x.n, cnt, op->dtype, base_op(op->op.kind));
+        if (op->op.kind == CHORUS_AVG) reduce_divide(out, cnt, op->dtype, x.n);
+      }
+    }
+    publish(&x, F_DONE, g);
+  }
+  return CHORUS_SUCCESS;
+}
+
+/* ------------------------------------------------------------------ broadcast */
+chorus_result_t oneshot_broadcast(struct chorus_comm *comm, struct op *op) {
+  struct dx x;
+  dx_init(&x, comm, op);
+  const size_t per = x.half / x.es;
+  const size_t nch = op->count ? div_up(op->count, per) : 1;
+  int root = op->root;
+  for (size_t k = 0; k < nch; k++) {
+    size_t off = k * per, cnt = op->count ? (op->count - off < per ? op->count - off : per) : 0;
+    uint64_t g;
+    uint8_t *mine;
+    uint8_t *buf = (uint8_t *)op->recvbuf + off * x.es;
+    CHECK(chunk_begin(&x, x.me == root, &g, &mine));
+    if (x.me == root) {
+      copy_in(&x, mine, buf, cnt);
+      publish(&x, F_POSTED, g);
+    } else {
+      CHECK(wait_flag(&x, F_POSTED, g, root));
+      if (cnt) copy_out(buf, scratch_of(&x, root, g), cnt * x.es, op->count * x.es);
+    }
+    publish(&x, F_DONE, g);
+  }
+  return CHORUS_SUCCESS;
+}
+
+/* ------------------------------------------------------------------ all-gather(v) */
+chorus_result_t oneshot_allgatherv(struct chorus_comm *comm, struct op *op) {
+  struct dx x;
+  dx_init(&x, comm, op);
+  size_t maxb = 0;
+  for (int p = 0; p < x.n; p++)
+    if (op->counts[p] * x.es > maxb) maxb = op->counts[p] * x.es;
+  const size_t per = x.half / x.es * x.es; /* bytes of each contribution per chunk */
+  const size_t nch = maxb ? div_up(maxb, per) : 1;
+  const uint8_t *src = op->sendbuf;
+  for (size_t k = 0; k < nch; k++) {
+    uint64_t g;
+    uint8_t *mine;
+    CHECK(chunk_begin(&x, 1, &g, &mine));
+    size_t off = k * per;
+    size_t myb = op->counts[x.me] * x.es;
+    size_t mylen = myb > off ? (myb - off < per ? myb - off : per) : 0;
+    if (mylen) memcpy(mine, src + off, mylen);
+    publish(&x, F_POSTED, g);
+    CHECK(wait_flag(&x, F_POSTED, g, -1));
+    for (int p = 0; p < x.n; p++) {
+      size_t b = op->counts[p] * x.es;
+      size_t len = b > off ? (b - off < per ? b - off : per) : 0;
+      uint8_t *dst = (uint8_t *)op->recvbuf + op->displs[p] * x.es + off;
+      if (!len) continue;
+      if (p == x.me) {
+        if (dst != src + off) memmove(dst, src + off, len);
+      } else {
+        copy_out(dst, scratch_of(&x, p, g), len, op->count * x.es);
+      }
+    }
+    publish(&x, F_DONE, g);
+  }
+  return CHORUS_SUCCESS;
+}
+
+/* Pieces for the block-structured collectives: chunk k carries bytes [k*h, (k+1)*h) of
+ * every block, block p's piece at offset p*h of the scratch half. */
+static size_t block_piece(struct dx *x) {
+  size_t h = x->half / (size_t)x->n;
+  h -= h % 64;
+  return h;
+}
+
+/* ------------------------------------------------------------------ reduce-scatter(v) */
+chorus_result_t oneshot_reduce_scatterv(struct chorus_comm *comm, struct op *op) {
+  struct dx x;
+  dx_init(&x, comm, op);
+  const size_t h = block_piece(&x);
+  size_t maxb = 0;
+  size_t *off = malloc((size_t)x.n * sizeof(size_t));
+  if (!off) return comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d: out of memory", x.me);
+  size_t t = 0;
+  for (int p = 0; p < x.n; p++) {
+    off[p] = t;
+    t += op->counts[p];
+    if (op->counts[p] * x.es > maxb) maxb = op->counts[p] * x.es;
+  }
+  const size_t nch = maxb ? div_up(maxb, h) : 1;
+  const void *in[CHORUS_MAX_LOCAL_DIRECT];
+  chorus_result_t res = CHORUS_SUCCESS;
+  for (size_t k = 0; k < nch; k++) {
+    uint64_t g;
+    uint8_t *mine;
+    CHECK_GOTO(chunk_begin(&x, 1, &g, &mine), res, out);
+    size_t pos = k * h;
+    for (int p = 0; p < x.n; p++) {
+      size_t b = op->counts[p] * x.es;
+      size_t len = b > pos ? (b - pos < h ? b - pos : h) : 0;
+      copy_in(&x, mine + (size_t)p * h,
+              (const uint8_t *)op->sendbuf + off[p] * x.es + pos, len / x.es);
+    }
+    publish(&x, F_POSTED, g);
+    CHECK_GOTO(wait_flag(&x, F_POSTED, g, -1), res, out);
+    size_t b = op->counts[x.me] * x.es;
+    size_t len = b > pos ? (b - pos < h ? b - pos : h) : 0;
+    if (len) {
+      for (int p = 0; p < x.n; p++) in[p] = scratch_of(&x, p, g) + (size_t)x.me * h;
+      uint8_t *dst = (uint8_t *)op->recvbuf + pos;
+      reduce_n(dst, in, x.n, len / x.es, op->dtype, base_op(op->op.kind));
+      if (op->op.kind == CHORUS_AVG) reduce_divide(dst, len / x.es, op->dtype, x.n);
+    }
+    publish(&x, F_DONE, g);
+  }
+out:
+  free(off);
+  return res;
+}
+
+/* ------------------------------------------------------------------ all-to-all */
+/* Uniform all-to-all only (algo_usable checks): block p of every rank's input goes to p. */
+chorus_result_t oneshot_alltoall(struct chorus_comm *comm, struct op *op) {
+  struct dx x;
+  dx_init(&x, comm, op);
+  const size_t h = block_piece(&x);
+  const size_t blk = op->counts[0] * x.es;
+  const size_t nch = blk ? div_up(blk, h) : 1;
+  for (size_t k = 0; k < nch; k++) {
+    uint64_t g;
+    uint8_t *mine;
+    CHECK(chunk_begin(&x, 1, &g, &mine));
+    size_t pos = k * h, len = blk > pos ? (blk - pos < h ? blk - pos : h) : 0;
+    if (len)
+      for (int p = 0; p < x.n; p++)
+        memcpy(mine + (size_t)p * h, (const uint8_t *)op->sendbuf + (size_t)p * blk + pos, len);
+    publish(&x, F_POSTED, g);
+    CHECK(wait_flag(&x, F_POSTED, g, -1));
+    if (len)
+      for (int q = 0; q < x.n; q++)
+        copy_out((uint8_t *)op->recvbuf + (size_t)q * blk + pos,
+                 scratch_of(&x, q, g) + (size_t)x.me * h, len, blk * (size_t)x.n);
+    publish(&x, F_DONE, g);
+  }
+  return CHORUS_SUCCESS;
+}
+
+/* ------------------------------------------------------------------ barrier */
+chorus_result_t oneshot_barrier(struct chorus_comm *comm, struct op *op) {
+  struct dx x;
+  dx_init(&x, comm, op);
+  uint64_t g;
+  CHECK(chunk_begin(&x, 0, &g, NULL));
+  publish(&x, F_POSTED, g);
+  CHECK(wait_flag(&x, F_POSTED, g, -1));
+  publish(&x, F_DONE, g);
+  return CHORUS_SUCCESS;
+}
+
+/* ------------------------------------------------------------------ usability */
+int shm_direct_ok(const struct chorus_comm *comm, const struct op *op, int id) {
+  if (!comm->shm || comm->nlocal != comm->nranks || comm->nranks > CHORUS_MAX_LOCAL_DIRECT)
+    return 0;
+  size_t half = shm_scratch_half(comm);
+  if (half < (size_t)comm->nranks * 64 || half < 4096) return 0;
+  if (id == ALGO_TWOSHOT && op->kind != OP_ALLREDUCE) return 0;
+  if (op->kind == OP_ALLTOALL) {
+    for (int p = 0; p < comm->nranks; p++)
+      if (op->counts[p] != op->counts[0] || op->counts2[p] != op->counts[0] ||
+          op->displs[p] != (size_t)p * op->counts[0] ||
+          op->displs2[p] != (size_t)p * op->counts[0])
+        return 0;
+    /* in-place with overlapping but unequal buffers is handled by the direct algorithm */
+  }
+  return 1;
+}
