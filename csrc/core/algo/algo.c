@@ -112,7 +112,7 @@ void sched_begin(struct sched_step *s, struct chorus_comm *comm, struct op *op,
   s->comm = comm;
   s->op = op;
   s->g = g;
-  s->ntx = s->nrx = s->nred = s->overflow = 0;
+  s->ntx = s->nrx = s->nred = s->nrxq = s->overflow = 0;
 }
 
 static conn_t *member_conn(const struct sched_step *s, int peer) {
@@ -133,6 +133,7 @@ void sched_recv(struct sched_step *s, int peer, void *dst, size_t bytes) {
     return;
   }
   msg_rx_init(&s->rx[s->nrx], member_conn(s, peer), s->op, bytes);
+  s->rxq[s->nrxq++] = &s->rx[s->nrx];
   s->rx_dst[s->nrx++] = dst;
 }
 
@@ -157,8 +158,21 @@ void sched_reduce_add(struct sched_step *s, int red, int peer) {
     s->overflow = 1;
     return;
   }
-  msg_rx_init(&r->rx[r->nrx++], member_conn(s, peer), s->op,
-              r->count * dtype_size(s->op->dtype));
+  msg_rx_init(&r->rx[r->nrx], member_conn(s, peer), s->op, r->count * dtype_size(s->op->dtype));
+  s->rxq[s->nrxq++] = &r->rx[r->nrx++];
+}
+
+/* May this receive read its connection, i.e. is no earlier receive of the step on it? */
+static int rx_turn(const struct sched_step *s, const struct msg_rx *rx) {
+  for (int k = 0; k < s->nrxq && s->rxq[k] != rx; k++)
+    if (s->rxq[k]->c == rx->c && !s->rxq[k]->done) return 0;
+  return 1;
+}
+
+static int tx_turn(const struct sched_step *s, int i) {
+  for (int k = 0; k < i; k++)
+    if (s->tx[k].c == s->tx[i].c && !s->tx[k].done) return 0;
+  return 1;
 }
 
 /* One pass over a reducing receive: reduce what every contributor has ready. */
@@ -170,9 +184,9 @@ static chorus_result_t red_progress(struct sched_step *s, struct red_recv *r, in
   if (r->pos < total) {
     size_t avail = total - r->pos;
     for (int k = 0; k < r->nrx; k++) {
-      const void *p;
-      size_t n;
-      CHECK(msg_rx_peek(&r->rx[k], &p, &n));
+      const void *p = NULL;
+      size_t n = 0;
+      if (rx_turn(s, &r->rx[k])) CHECK(msg_rx_peek(&r->rx[k], &p, &n));
       in[k < r->own_pos ? k : k + 1] = p;
       if (n < avail) avail = n;
     }
@@ -193,6 +207,10 @@ static chorus_result_t red_progress(struct sched_step *s, struct red_recv *r, in
   /* all reduced: read the headers of empty messages and skip padding */
   for (int k = 0; k < r->nrx; k++) {
     if (r->rx[k].done) continue;
+    if (!rx_turn(s, &r->rx[k])) {
+      *pending = 1;
+      continue;
+    }
     const void *p;
     size_t n;
     CHECK(msg_rx_peek(&r->rx[k], &p, &n));
@@ -212,12 +230,12 @@ chorus_result_t sched_run(struct sched_step *s) {
     int progressed = 0, pending = 0;
     for (int i = 0; i < s->ntx; i++) {
       if (s->tx[i].done) continue;
-      CHECK(msg_tx_progress(&s->tx[i], &progressed));
+      if (tx_turn(s, i)) CHECK(msg_tx_progress(&s->tx[i], &progressed));
       pending |= !s->tx[i].done;
     }
     for (int i = 0; i < s->nrx; i++) {
       if (s->rx[i].done) continue;
-      CHECK(msg_rx_copy(&s->rx[i], s->rx_dst[i], &progressed));
+      if (rx_turn(s, &s->rx[i])) CHECK(msg_rx_copy(&s->rx[i], s->rx_dst[i], &progressed));
       pending |= !s->rx[i].done;
     }
     for (int i = 0; i < s->nred; i++) CHECK(red_progress(s, &s->red[i], &progressed, &pending));
@@ -304,7 +322,10 @@ const struct algo_desc algo_table[ALGO_COUNT] = {
                     [OP_REDUCE] = ring_reduce,
                     [OP_ALLGATHER] = ring_allgather,
                     [OP_REDUCE_SCATTER] = ring_reduce_scatter}},
-    [ALGO_TREE] = {"tree", {0}},
+    [ALGO_TREE] = {"tree",
+                   {[OP_ALLREDUCE] = tree_allreduce,
+                    [OP_BROADCAST] = tree_broadcast,
+                    [OP_REDUCE] = tree_reduce}},
     [ALGO_RHD] = {"rhd",
                   {[OP_ALLREDUCE] = rhd_allreduce,
                    [OP_ALLGATHER] = rhd_allgather,

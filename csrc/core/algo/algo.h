@@ -48,9 +48,9 @@ static inline struct group group_world(const struct chorus_comm *comm) {
 
 /* A step of a schedule: sends, copy-receives and reducing receives (out = op over own and
  * one or more received inputs, in a given order), all progressed together so a message
- * larger than the connection ring never deadlocks. Peers are group member indices. A step
- * holds at most one send to and one receive from any one peer (messages on a connection
- * are a stream: two at once would interleave); successive steps keep their order. */
+ * larger than the connection ring never deadlocks. Peers are group member indices. Several
+ * messages to (or from) one peer in a step go in the order they were added: a later one
+ * waits until the earlier one is complete, and the peer must add them in the same order. */
 #define STEP_MAX_XFER 8  /* sends, copy-receives per step */
 #define STEP_MAX_RED 2   /* reducing receives per step */
 #define STEP_MAX_IN 4    /* inputs of one reducing receive (own included) */
@@ -70,7 +70,8 @@ struct sched_step {
   struct msg_rx rx[STEP_MAX_XFER];
   void *rx_dst[STEP_MAX_XFER];
   struct red_recv red[STEP_MAX_RED];
-  int ntx, nrx, nred, overflow;
+  struct msg_rx *rxq[STEP_MAX_XFER + STEP_MAX_RED * (STEP_MAX_IN - 1)]; /* in added order */
+  int ntx, nrx, nred, nrxq, overflow;
 };
 void sched_begin(struct sched_step *s, struct chorus_comm *comm, struct op *op,
                  const struct group *g);
