@@ -341,7 +341,10 @@ const struct algo_desc algo_table[ALGO_COUNT] = {
     [ALGO_PAIRWISE] = {"pairwise", {[OP_ALLTOALL] = pairwise_alltoall}},
     [ALGO_ONESHOT] = {"oneshot", {0}},
     [ALGO_TWOSHOT] = {"twoshot", {0}},
-    [ALGO_HIER] = {"hier", {0}},
+    [ALGO_HIER] = {"hier",
+                   {[OP_ALLREDUCE] = hier_allreduce,
+                    [OP_BROADCAST] = hier_broadcast,
+                    [OP_REDUCE] = hier_reduce}},
 };
 
 const char *algo_name(int id) {
