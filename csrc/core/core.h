@@ -312,6 +312,7 @@ struct chorus_comm {
   int nhosts;
   int max_per_host;           /* most ranks on any one host */
   int algo_force[OP_KIND_COUNT]; /* enum algo_id per collective from CHORUS_ALGO, -1: tuner */
+  int last_algo;              /* enum algo_id of the last collective started (tests read it) */
   conn_t **conns[CHAN_COUNT]; /* [channel][peer], NULL for self */
   struct shm_state *shm;
   struct sock_state *sock;

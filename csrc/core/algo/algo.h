@@ -32,6 +32,78 @@ chorus_op_kind_t base_op(chorus_op_kind_t k);
 chorus_result_t prescale_input(struct chorus_comm *comm, struct op *op, const void *in,
                                size_t count, void **scaled);
 
+/* ------------------------------------------------------------------ groups and steps
+ * Building blocks run over an ordered subset of the communicator's ranks, so hier.c can
+ * compose them over a host's ranks or over one leader per host. Member i of a group is
+ * comm rank ranks[i] (ranks NULL: the identity, i.e. the whole communicator). */
+struct group {
+  int n, me;          /* members, index of this rank */
+  const int *ranks;   /* n comm ranks, or NULL for 0..n-1 */
+};
+static inline int group_rank(const struct group *g, int i) { return g->ranks ? g->ranks[i] : i; }
+static inline struct group group_world(const struct chorus_comm *comm) {
+  struct group g = {comm->nranks, comm->rank, NULL};
+  return g;
+}
+
+/* A step of a schedule: sends, copy-receives and reducing receives (out = op over own and
+ * one or more received inputs, in a given order), all progressed together so a message
+ * larger than the connection ring never deadlocks. Peers are group member indices. Several
+ * messages to (or from) one peer in a step go in the order they were added: a later one
+ * waits until the earlier one is complete, and the peer must add them in the same order. */
+#define STEP_MAX_XFER 8  /* sends, copy-receives per step */
+#define STEP_MAX_RED 2   /* reducing receives per step */
+#define STEP_MAX_IN 4    /* inputs of one reducing receive (own included) */
+struct red_recv {
+  struct msg_rx rx[STEP_MAX_IN - 1];
+  int nrx;
+  const void *own;
+  int own_pos;        /* position of own among the inputs (0..nrx) */
+  void *out;
+  size_t count, pos;  /* elements; bytes reduced so far */
+};
+struct sched_step {
+  struct chorus_comm *comm;
+  struct op *op;
+  const struct group *g;
+  struct msg_tx tx[STEP_MAX_XFER];
+  struct msg_rx rx[STEP_MAX_XFER];
+  void *rx_dst[STEP_MAX_XFER];
+  struct red_recv red[STEP_MAX_RED];
+  struct msg_rx *rxq[STEP_MAX_XFER + STEP_MAX_RED * (STEP_MAX_IN - 1)]; /* in added order */
+  int ntx, nrx, nred, nrxq, overflow;
+};
+void sched_begin(struct sched_step *s, struct chorus_comm *comm, struct op *op,
+                 const struct group *g);
+void sched_send(struct sched_step *s, int peer, const void *buf, size_t bytes);
+void sched_recv(struct sched_step *s, int peer, void *dst, size_t bytes);
+/* Starts a reducing receive: out[0..count) = op(inputs), own at position own_pos. Add its
+ * contributors with sched_reduce_add in input order (own excluded). Returns its index. */
+int sched_reduce(struct sched_step *s, const void *own, void *out, size_t count, int own_pos);
+void sched_reduce_add(struct sched_step *s, int red, int peer);
+/* Runs the step to completion (or error). */
+chorus_result_t sched_run(struct sched_step *s);
+/* Common one-liners: exchange with one peer (either side may be -1 for none). */
+chorus_result_t sched_sendrecv(struct chorus_comm *comm, struct op *op, const struct group *g,
+                               int to, const void *sbuf, size_t sbytes, int from, void *rbuf,
+                               size_t rbytes);
+/* Send sbuf to `to` while out = op(own, data from `from`), own first when own_first. */
+chorus_result_t sched_sendrecv_reduce(struct chorus_comm *comm, struct op *op,
+                                      const struct group *g, int to, const void *sbuf,
+                                      size_t sbytes, int from, const void *own, void *out,
+                                      size_t count, int own_first);
+
+/* Elements per pipelined chunk: a quarter of the connection ring (CHORUS_BUFFSIZE), so a
+ * few chunks are in flight per connection. At least one element. */
+size_t algo_chunk_elems(chorus_dtype_t dtype);
+/* Element count and offset of block p when count elements are split over n blocks. */
+void even_slice(size_t count, int n, int p, size_t *cnt, size_t *off);
+/* malloc that records an out-of-memory error on the communicator. */
+chorus_result_t algo_alloc(struct chorus_comm *comm, size_t bytes, void **out);
+/* Are counts all equal / displs the packed prefix sums of counts (n entries)? */
+int counts_uniform(const size_t *counts, int n);
+int displs_packed(const size_t *counts, const size_t *displs, int n);
+
 /* ------------------------------------------------------------------ the algorithm registry
  * Every algorithm has an id, a name (what CHORUS_ALGO and the logs use) and one entry per
  * collective it implements (NULL where it does not). An entry runs the whole collective
@@ -62,6 +134,8 @@ const char *algo_name(int id);
 int algo_from_name(const char *name); /* -1 if unknown */
 /* Can algorithm id run op on this communicator (implemented, topology allows it)? */
 int algo_usable(const struct chorus_comm *comm, const struct op *op, int id);
+/* The per-algorithm part of algo_usable: v-variant shapes and topology (algo.c). */
+int algo_constraints_ok(const struct chorus_comm *comm, const struct op *op, int id);
 
 /* tune.c: the algorithm for op (an override from CHORUS_ALGO, else the cost model). Always
  * returns a usable id (ALGO_DIRECT as the last resort). Depends only on facts that agree on
@@ -91,5 +165,56 @@ chorus_result_t direct_gather(struct chorus_comm *comm, struct op *op);
 chorus_result_t direct_scatter(struct chorus_comm *comm, struct op *op);
 chorus_result_t direct_alltoallv(struct chorus_comm *comm, struct op *op);
 chorus_result_t direct_barrier(struct chorus_comm *comm, struct op *op);
+
+/* Network algorithms. Entries of algo_table (whole communicator, op semantics). */
+chorus_result_t ring_allreduce(struct chorus_comm *comm, struct op *op);
+chorus_result_t ring_reduce_scatter(struct chorus_comm *comm, struct op *op);
+chorus_result_t ring_allgather(struct chorus_comm *comm, struct op *op);
+chorus_result_t ring_broadcast(struct chorus_comm *comm, struct op *op);
+chorus_result_t ring_reduce(struct chorus_comm *comm, struct op *op);
+chorus_result_t tree_allreduce(struct chorus_comm *comm, struct op *op);
+chorus_result_t tree_broadcast(struct chorus_comm *comm, struct op *op);
+chorus_result_t tree_reduce(struct chorus_comm *comm, struct op *op);
+chorus_result_t rhd_allreduce(struct chorus_comm *comm, struct op *op);
+chorus_result_t rhd_reduce_scatter(struct chorus_comm *comm, struct op *op);
+chorus_result_t rhd_allgather(struct chorus_comm *comm, struct op *op);
+chorus_result_t rd_allreduce(struct chorus_comm *comm, struct op *op);
+chorus_result_t rd_allgather(struct chorus_comm *comm, struct op *op);
+chorus_result_t rd_barrier(struct chorus_comm *comm, struct op *op);
+chorus_result_t bruck_allgather(struct chorus_comm *comm, struct op *op);
+chorus_result_t bruck_alltoall(struct chorus_comm *comm, struct op *op);
+chorus_result_t bruck_barrier(struct chorus_comm *comm, struct op *op);
+chorus_result_t pairwise_alltoall(struct chorus_comm *comm, struct op *op);
+chorus_result_t hier_allreduce(struct chorus_comm *comm, struct op *op);
+chorus_result_t hier_broadcast(struct chorus_comm *comm, struct op *op);
+chorus_result_t hier_reduce(struct chorus_comm *comm, struct op *op);
+
+/* Building blocks over a group, for composition (hier.c). They use the op only for its
+ * dtype, reduction kind (base_op: no pre-scaling, no divide unless `divisor` > 0) and message
+ * fingerprint; buffers and counts are explicit. in may equal out. */
+/* out (count elements) = allreduce of in over g; each slice is finalised once (divided by
+ * divisor when > 0) and copied, so every member ends with the same bits. */
+chorus_result_t ring_allreduce_group(struct chorus_comm *comm, struct op *op,
+                                     const struct group *g, const void *in, void *out,
+                                     size_t count, int divisor);
+/* Pipelined chain broadcast of buf from member root. */
+chorus_result_t ring_broadcast_group(struct chorus_comm *comm, struct op *op,
+                                     const struct group *g, void *buf, size_t count, int root);
+/* Pipelined chain reduction of in to member root's out (out used only at root). */
+chorus_result_t ring_reduce_group(struct chorus_comm *comm, struct op *op, const struct group *g,
+                                  const void *in, void *out, size_t count, int root,
+                                  int divisor);
+/* Recursive halving-doubling allreduce over g (any member count). */
+chorus_result_t rhd_allreduce_group(struct chorus_comm *comm, struct op *op,
+                                    const struct group *g, const void *in, void *out,
+                                    size_t count, int divisor);
+/* Recursive-doubling allgather over g: member i's block is buf[off(i), +cnt[i]) with the blocks
+ * packed in member order; member me's block is already in place. */
+chorus_result_t rhd_allgather_group(struct chorus_comm *comm, struct op *op,
+                                    const struct group *g, void *buf, const size_t *cnt);
+/* Double-binary-tree reduce (to member 0 of each tree) + broadcast over g. */
+chorus_result_t tree_allreduce_group(struct chorus_comm *comm, struct op *op,
+                                     const struct group *g, const void *in, void *out,
+                                     size_t count, int divisor);
 
 #endif
