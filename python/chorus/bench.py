@@ -36,7 +36,8 @@ powers of two), so results are exact for every dtype except avg's final division
 and half runs one extra op on freshly filled buffers (outputs poisoned first), outside the
 timed loop, and every rank counts the elements that differ from the reference it computes
 itself (floats within a dtype tolerance; reduce: the root only). #wrong is the sum over
-ranks. A wrong element makes the exit code 1.
+ranks. Exit codes: 0 ok, 3 a wrong element (any backend), 1 an error or a failed rank,
+2 bad usage.
 
 --compare BACKEND runs the same sweep on a second process group of that backend, in the
 same job, interleaved per size (size s on the main backend, then on the peer, then size
@@ -70,7 +71,7 @@ PROG = "python -m chorus.bench"
 CHILD_ENV = "_CHORUS_BENCH_CHILD"
 # Test-only hooks, for tests/test_bench.py and nothing else: not options, not documented in
 # --help. CORRUPT=1 changes one element of the main backend's checked output after the
-# collective (so #wrong must be > 0); FAIL_RANK=r makes rank r exit(3) right after init.
+# collective (so #wrong must be > 0); FAIL_RANK=r makes rank r exit(7) right after init.
 TEST_CORRUPT_ENV = "_CHORUS_BENCH_TEST_CORRUPT"
 TEST_FAIL_RANK_ENV = "_CHORUS_BENCH_TEST_FAIL_RANK"
 
@@ -96,6 +97,7 @@ TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-12, torch.float16: 2e-3,
              torch.bfloat16: 1.6e-2}
 AVERAGE_NAMES = {0: "rank 0", 1: "mean over ranks", 2: "min over ranks", 3: "max over ranks"}
 MEMCPY_BYTES = 64 << 20
+EXIT_USAGE, EXIT_ERROR, EXIT_WRONG = 2, 1, 3
 # Newer torch renames the tensor forms (the old names warn); same arguments.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -224,6 +226,9 @@ def validate(args):
         raise UsageError("-w/--warmup_iters must be >= 0")
     if args.nproc < 0:
         raise UsageError("--nproc must be >= 1")
+    world = args.nproc or int(os.environ.get("WORLD_SIZE", "0") or 0)
+    if world and not 0 <= args.root < world:
+        raise UsageError(f"-r/--root {args.root} is not a rank of {world}")
     if args.timeout <= 0:
         raise UsageError("--timeout must be > 0")
     dt = DTYPES[args.datatype]
@@ -711,6 +716,8 @@ def sweep(ctx, op, args, out, records, table):
         if op in NO_INPLACE:
             skipped[(be, True)] = ("torch.distributed leaves an aliased send/receive buffer "
                                    "undefined")
+        if op == "sendrecv" and n == 1:
+            skipped[(be, False)] = "one rank has no peer to send to"
     if ctx.rank == 0:
         out(f"#\n# {op}" + (f" ({redop})" if op in REDUCING else "")
             + (f", root {root}" if op in ROOTED else "")
@@ -722,6 +729,8 @@ def sweep(ctx, op, args, out, records, table):
                 "into the output + the in-place call (two output buffers)")
         if op in NO_INPLACE:
             out(f"# note: in-place {op}: n/a ({skipped[(ctx.backend, True)]})")
+        if (ctx.backend, False) in skipped:
+            out(f"# note: out-of-place {op}: n/a ({skipped[(ctx.backend, False)]})")
         for line in table.header():
             out(line)
     progress = Progress(ctx.rank == 0)
@@ -808,13 +817,13 @@ def sweep(ctx, op, args, out, records, table):
         for be, _, is_main in backends:
             w = wrong_total[be]
             tag = "" if not table.compare else f" ({be})"
-            state = "N/A" if not ctx.check else ("OK" if w == 0 else "FAILED")
-            out(f"# Out of bounds values{tag} : {w if ctx.check else 'N/A'} {state}")
-        avg = sum(bw_main) / len(bw_main) if bw_main else float("nan")
-        out(f"# Avg bus bandwidth    : {avg:g}")
+            state = f"{w} OK" if w == 0 else f"{w} FAILED"
+            out(f"# Out of bounds values{tag} : {state if ctx.check else 'N/A (-c 0)'}")
+        avg = f"{sum(bw_main) / len(bw_main):g}" if bw_main else "N/A"
+        out(f"# Avg bus bandwidth    : {avg}")
         if ctx.peer_group is not None:
-            pavg = sum(peer_bw) / len(peer_bw) if peer_bw else float("nan")
-            out(f"# Avg bus bandwidth ({ctx.compare}) : {pavg:g}")
+            pavg = f"{sum(peer_bw) / len(peer_bw):g}" if peer_bw else "N/A"
+            out(f"# Avg bus bandwidth ({ctx.compare}) : {pavg}")
             if speedups:
                 lo = min(speedups)
                 gm = math.exp(sum(math.log(s) for s, _, _ in speedups) / len(speedups))
@@ -866,7 +875,7 @@ def run_rank(args):
         if fail_rank is not None and int(fail_rank) == rank:
             sys.stderr.write(f"bench: rank {rank}: test hook {TEST_FAIL_RANK_ENV} exits now\n")
             sys.stderr.flush()
-            os._exit(3)
+            os._exit(7)
         return bench(ctx, args)
     finally:
         try:
@@ -924,7 +933,7 @@ def bench(ctx, args):
                      f"{ctx.dtype_name}")
             write_plot(args.plot, records, title)
             out(f"# wrote {args.plot}")
-    return 1 if wrong else 0
+    return EXIT_WRONG if wrong else 0
 
 
 # ------------------------------------------------------------------ --nproc launcher
@@ -1014,7 +1023,7 @@ def launch(args, argv):
             now = time.monotonic()
             if first is None:
                 bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-                if bad:
+                if bad and not all(c == EXIT_WRONG for _, c in bad):
                     first = (bad[0][0], now)
                     sys.stderr.write(f"bench: rank {bad[0][0]} failed ({_describe_exit(bad[0][1])});"
                                      f" the other ranks get {args.kill_after:g} s to exit\n")
@@ -1035,13 +1044,16 @@ def launch(args, argv):
             _kill(p, signal.SIGKILL)
             p.wait()
     failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+    if failed and all(code == EXIT_WRONG for _, code in failed) and len(failed) == n:
+        sys.stderr.write("bench: wrong results (#wrong > 0 above)\n")
+        return EXIT_WRONG
     for r, code in failed:
         why = (f"stopped by the launcher after rank {first[0]} failed" if r in stopped_by_us
                else _describe_exit(code))
         sys.stderr.write(f"bench: rank {r}: {why}\n")
     if failed:
         sys.stderr.write(f"bench: {len(failed)} of {n} ranks failed\n")
-        return 1
+        return EXIT_ERROR
     return 0
 
 
@@ -1057,10 +1069,10 @@ def main(argv=None):
         return run_rank(args)
     except UsageError as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
-        return 2
+        return EXIT_USAGE
     except BenchError as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
-        return 1
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":
