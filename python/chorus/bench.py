@@ -7,6 +7,11 @@ port) and exits nonzero if any of them fails.
   python -m chorus.bench --nproc 4 -o all_reduce -b 8 -e 16M -f 4 --compare gloo
   torchrun --nproc-per-node 4 -m chorus.bench -o all_gather -d bfloat16
 
+Rank 0 prints a header first: world size, backend(s), device, dtype, the host's CPU count,
+and "memcpy (1 core)": torch copy_ between two preallocated 64 MiB CPU tensors on one thread
+(torch.set_num_threads(1)), best of 5, in GB/s counting the bytes once, measured in the same
+run as a yardstick for the bandwidths below. Then one table per op.
+
 Sizes (as nccl-tests): the size column is the total bytes of the largest buffer of the
 collective; count is the count argument NCCL would be given.
   all_reduce, broadcast, reduce, sendrecv: size = count x elemsize.
