@@ -819,7 +819,7 @@ def sweep(ctx, op, args, out, records, table):
                         busbw_gbps=h["busbw_gbps"], wrong=h["wrong"]))
         del bufs, expected
     progress.done()
-    peer_bw = {}
+    peer_bw = []
     if ctx.peer_group is not None:
         peer_bw = [r["busbw_gbps"] for r in records
                    if r["op"] == op and r["backend"] == ctx.compare]
@@ -1032,11 +1032,12 @@ def launch(args, argv):
                 break
             now = time.monotonic()
             if first is None:
-                bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-                if bad and not all(c == EXIT_WRONG for _, c in bad):
+                # (a rank that found wrong results exits 3 once the sweep is over: not a failure)
+                bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0, EXIT_WRONG)]
+                if bad:
                     first = (bad[0][0], now)
-                    sys.stderr.write(f"bench: rank {bad[0][0]} failed ({_describe_exit(bad[0][1])});"
-                                     f" the other ranks get {args.kill_after:g} s to exit\n")
+                    sys.stderr.write(f"bench: rank {bad[0][0]} failed ({_describe_exit(bad[0][1])})"
+                                     f"; the other ranks get {args.kill_after:g} s to exit\n")
                     sys.stderr.flush()
             elif now > first[1] + args.kill_after:
                 stopped_by_us = {r for r, c in enumerate(codes) if c is None}
