@@ -2,7 +2,7 @@
 # site-packages), installs the pinned torch and the test tools only if missing, builds and
 # installs Chorus only when its sources changed, then runs.
 #   make demo    4-rank DDP training with chorus, then gloo; compares them
-#   make test    C unit tests, then the whole pytest suite
+#   make test    C unit tests, then the whole pytest suite (installs matplotlib if missing)
 #   make ctest   C unit tests only
 #   make clean   build outputs (keeps .venv); make distclean also removes .venv
 # CHORUS_TEST_BACKEND=gloo make test runs the suite against gloo (validates the harness).
@@ -16,6 +16,9 @@ export MAX_JOBS ?= 2
 
 BUILD_STAMP := $(VENV)/.chorus-build.stamp
 DEPS_STAMP := $(VENV)/.chorus-deps.stamp
+# Tools only the tests need (matplotlib: tests/test_bench.py checks `chorus.bench --plot`);
+# its own stamp, so that adding one does not rebuild Chorus.
+TEST_DEPS_STAMP := $(VENV)/.chorus-test-deps.stamp
 # Whatever the installed package is built from: a change to any of these rebuilds it.
 BUILD_INPUTS := $(shell find csrc python -type f \( -name '*.c' -o -name '*.h' -o -name '*.cpp' \
                   -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py' \) 2>/dev/null) \
@@ -36,7 +39,13 @@ $(DEPS_STAMP): $(PY)
 	$(PY) -c "import setuptools, wheel" 2>/dev/null || $(PIP) install setuptools wheel
 	touch $@
 
-deps: $(DEPS_STAMP)
+# matplotlib only if missing. It does not depend on torch, so this never installs a torch:
+# the pinned one above stays the only torch install step.
+$(TEST_DEPS_STAMP): $(DEPS_STAMP) Makefile
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install matplotlib
+	touch $@
+
+deps: $(DEPS_STAMP) $(TEST_DEPS_STAMP)
 
 # --no-build-isolation: build against the torch in .venv (an isolated build would fetch
 # another torch and break the ABI).
@@ -52,10 +61,10 @@ demo: $(BUILD_STAMP)
 ctest:
 	$(MAKE) -C tests/c
 
-pytest: $(BUILD_STAMP)
+pytest: $(BUILD_STAMP) $(TEST_DEPS_STAMP)
 	$(PY) -m pytest -q tests
 
-test: $(BUILD_STAMP)
+test: $(BUILD_STAMP) $(TEST_DEPS_STAMP)
 	$(MAKE) -C tests/c
 	$(PY) -m pytest -q tests
 

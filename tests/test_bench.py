@@ -1,0 +1,283 @@
+"""`python -m chorus.bench`: real multi-process sweeps (--nproc 2 and 3, every op) read back
+through the printed table and the --json records, plus the wrong-result, failed-rank and
+bad-input paths. Small sizes and few iterations: the whole file is meant to stay well under a
+minute on 2 cores."""
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "alltoall",
+       "sendrecv")
+NO_INPLACE = ("alltoall", "sendrecv")
+REDUCING = ("all_reduce", "reduce_scatter", "reduce")
+FIELDS = {"op", "backend", "bytes", "count", "dtype", "redop", "inplace", "time_us",
+          "algbw_gbps", "busbw_gbps", "wrong"}
+SWEEP = ["-b", "8", "-e", "64K", "-f", "8", "-n", "3", "-w", "1"]
+HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
+# Passed to every run: a rank process still holding it after its run is an orphan.
+TOKEN_ENV = "CHORUS_BENCH_TEST_TOKEN"
+
+
+def factor(op, n):
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "alltoall"):
+        return (n - 1) / n
+    return 1.0
+
+
+def leftover_ranks(token):
+    """Pids of processes whose environment holds token (the ranks of one run)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if token.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def bench(*args, env=None, timeout=120):
+    token = uuid.uuid4().hex
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+                    **{TOKEN_ENV: token})
+    full_env.update(env or {})
+    p = subprocess.Popen([sys.executable, "-m", "chorus.bench", *map(str, args)],
+                         env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"bench {' '.join(map(str, args))} timed out\n{out}\n{err}")
+    return p.returncode, out, err, token
+
+
+def parse(out, compare):
+    """Rows of the table: dicts with op, backend, size, count, type, redop, root, and per
+    half (oop, ip) a dict of time/algbw/busbw/wrong/speedup as printed."""
+    rows, op = [], None
+    for line in out.splitlines():
+        m = re.match(r"^# (\w+)(?: \(|,)", line)
+        if m and m.group(1) in OPS:
+            op = m.group(1)
+            continue
+        if not line.strip() or line.startswith("#"):
+            continue
+        tok = line.split()
+        lead = 1 if compare else 0
+        per_half = 5 if compare else 4
+        assert len(tok) == lead + 5 + 2 * per_half, f"unparsable row: {line!r}"
+        row = dict(op=op, backend=tok[0] if compare else None, size=int(tok[lead]),
+                   count=int(tok[lead + 1]), type=tok[lead + 2], redop=tok[lead + 3],
+                   root=int(tok[lead + 4]))
+        for h, name in enumerate(("oop", "ip")):
+            cells = tok[lead + 5 + h * per_half: lead + 5 + (h + 1) * per_half]
+            row[name] = None if cells[0] == "n/a" else dict(
+                time=float(cells[0]), algbw=float(cells[1]), busbw=float(cells[2]),
+                wrong=cells[3], speedup=cells[4] if compare else None)
+        rows.append(row)
+    return rows
+
+
+def check_rows(rows, n, backends):
+    assert {r["op"] for r in rows} == set(OPS)
+    for op in OPS:
+        for be in backends:
+            mine = [r for r in rows if r["op"] == op and r["backend"] == be]
+            g = n * 4 if op in ("all_gather", "reduce_scatter", "alltoall") else 4
+            # nccl-tests sizes from -b 8 -e 64K -f 8, rounded down to the granularity
+            assert [r["size"] for r in mine] == [max(g, s // g * g)
+                                                 for s in (8, 64, 512, 4096, 32768)], op
+            for r in mine:
+                per = n if g > 4 else 1
+                assert r["count"] * 4 * per == r["size"], r
+                assert r["type"] == "float"
+                assert r["redop"] == ("sum" if op in REDUCING else "none")
+                assert r["root"] == (0 if op in ("broadcast", "reduce") else -1)
+                assert r["oop"] is not None, r
+                assert (r["ip"] is None) == (op in NO_INPLACE), r
+                for h in (r["oop"], r["ip"]):
+                    if h is not None:
+                        assert h["wrong"] == "0", r
+                        assert h["time"] > 0
+                        assert h["busbw"] == pytest.approx(h["algbw"] * factor(op, n),
+                                                           abs=0.011)
+
+
+@pytest.fixture(scope="module")
+def compare_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench2")
+    args = ["--nproc", 2, "-o", "all", *SWEEP, "--compare", "gloo",
+            "--json", d / "r.json"]
+    if HAVE_MPL:
+        args += ["--plot", d / "r.png"]
+    rc, out, err, token = bench(*args)
+    return dict(rc=rc, out=out, err=err, dir=d, token=token)
+
+
+def test_two_ranks_every_op_against_gloo(compare_run):
+    r = compare_run
+    assert r["rc"] == 0, r["out"] + r["err"]
+    assert not leftover_ranks(r["token"])
+    out = r["out"]
+    assert "# world size 2" in out and "compared with gloo" in out
+    assert re.search(r"^# host: \d+ CPUs.*memcpy \(1 core\): [\d.]+ GB/s", out, re.M), out
+    rows = parse(out, compare=True)
+    check_rows(rows, 2, ("chorus", "gloo"))
+    for row in rows:
+        for h in (row["oop"], row["ip"]):
+            if h is None:
+                continue
+            if row["backend"] == "chorus":
+                assert float(h["speedup"]) > 0, row
+            else:
+                assert h["speedup"] == "-", row
+    # one summary per op: bandwidths of both backends and the speed-up
+    assert len(re.findall(r"^# Avg bus bandwidth    : [\d.e+-]+$", out, re.M)) == len(OPS)
+    assert len(re.findall(r"^# Avg bus bandwidth \(gloo\) : [\d.e+-]+$", out, re.M)) == len(OPS)
+    speed = re.findall(r"^# Speed-up chorus vs gloo \(gloo time / chorus time\): "
+                       r"min ([\d.]+)x \(\d+ B (?:in|out-of)-place\), geomean ([\d.]+)x "
+                       r"over (\d+) measurements$", out, re.M)
+    assert len(speed) == len(OPS), out
+    for lo, gm, cnt in speed:
+        assert 0 < float(lo) <= float(gm) and int(cnt) > 0
+    assert out.count("# Out of bounds values (chorus) : 0 OK") == len(OPS)
+
+
+def test_json_records(compare_run):
+    assert compare_run["rc"] == 0, compare_run["err"]
+    recs = json.loads((compare_run["dir"] / "r.json").read_text())
+    assert isinstance(recs, list)
+    for rec in recs:
+        assert set(rec) == FIELDS, rec
+    memcpy = [x for x in recs if x["op"] == "memcpy"]
+    assert len(memcpy) == 1 and memcpy[0]["algbw_gbps"] > 0.1 and memcpy[0]["time_us"] > 0
+    rows = [x for x in recs if x["op"] != "memcpy"]
+    # 7 ops x 5 sizes x 2 backends x 2 halves, less in-place alltoall and sendrecv
+    assert len(rows) == (7 * 2 - 2) * 5 * 2
+    for x in rows:
+        assert x["backend"] in ("chorus", "gloo")
+        assert x["dtype"] == "float" and isinstance(x["inplace"], bool)
+        assert x["redop"] == ("sum" if x["op"] in REDUCING else None)
+        assert x["wrong"] == 0
+        assert x["time_us"] > 0 and x["count"] > 0
+        assert x["algbw_gbps"] == pytest.approx(x["bytes"] / x["time_us"] / 1e3)
+        assert x["busbw_gbps"] == pytest.approx(x["algbw_gbps"] * factor(x["op"], 2))
+        assert not (x["inplace"] and x["op"] in NO_INPLACE)
+    table = {(r["op"], r["backend"], r["size"]): r
+             for r in parse(compare_run["out"], compare=True)}
+    for x in rows:
+        row = table[(x["op"], x["backend"], x["bytes"])]
+        assert row["count"] == x["count"]
+        printed = row["ip" if x["inplace"] else "oop"]["time"]
+        assert printed == pytest.approx(x["time_us"], rel=0.01, abs=0.01)
+
+
+@pytest.mark.skipif(not HAVE_MPL, reason="matplotlib is not importable here (make test "
+                    "installs it)")
+def test_plot_png(compare_run):
+    assert compare_run["rc"] == 0, compare_run["err"]
+    png = compare_run["dir"] / "r.png"
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10000
+
+
+def test_three_ranks_every_op_plain_columns():
+    rc, out, err, token = bench("--nproc", 3, "-o", "all", *SWEEP)
+    assert rc == 0, out + err
+    assert not leftover_ranks(token)
+    rows = parse(out, compare=False)
+    check_rows(rows, 3, (None,))
+    # nccl-tests header and summary lines
+    assert re.search(r"^#\s+size\s+count\s+type\s+redop\s+root\s+time\s+algbw\s+busbw\s+"
+                     r"#wrong\s+time\s+algbw\s+busbw\s+#wrong$", out, re.M), out
+    assert out.count("# Out of bounds values : 0 OK") == len(OPS)
+    assert len(re.findall(r"^# Avg bus bandwidth    : [\d.e+-]+$", out, re.M)) == len(OPS)
+    assert "sizes rounded down to a multiple of 12 B (3 ranks x 4 B)" in out
+    assert "speedup" not in out
+
+
+def test_wrong_result_is_detected():
+    # Test-only hook: one element of the checked out-of-place output is changed.
+    rc, out, err, _ = bench("--nproc", 2, "-o", "all_reduce,reduce_scatter", "-b", "1K",
+                            "-e", "1K", "-n", "2", "-w", "0",
+                            env={"_CHORUS_BENCH_TEST_CORRUPT": "1"})
+    assert rc == 3, out + err
+    rows = parse(out, compare=False)
+    assert len(rows) == 2
+    for r in rows:
+        assert int(r["oop"]["wrong"]) > 0 and r["ip"]["wrong"] == "0", r
+    assert out.count("FAILED") == 2
+    assert "wrong results" in err
+
+
+def test_failed_rank_is_reported_and_nothing_is_left():
+    rc, out, err, token = bench("--nproc", 2, "-o", "all_reduce", "-b", "1K", "-e", "1K",
+                                "-n", "2", "--kill-after", "5",
+                                env={"_CHORUS_BENCH_TEST_FAIL_RANK": "1"})
+    assert rc == 1, out + err
+    assert "bench: rank 1 failed (exit code 7)" in err, err
+    assert re.search(r"ranks? failed", err)
+    assert not leftover_ranks(token)
+
+
+def run_main(capsys, args):
+    """chorus.bench.main in this process (argument errors are found before any rank starts,
+    so this is the same code path as the command, without the cost of a torch import)."""
+    from chorus import bench as bench_mod
+
+    try:
+        rc = bench_mod.main([str(a) for a in args])
+    except SystemExit as e:  # argparse: --help, and errors in the argument types
+        rc = e.code
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-o", "all_reduce,bogus"], "unknown op 'bogus'"),
+    (["-b", "1M", "-e", "1K"], "is larger than -e/--maxbytes"),
+    (["-e", "12X"], "not a size: '12X'"),
+    (["-f", "1", "-b", "8", "-e", "64"], "-f/--stepfactor must be > 1"),
+    (["--nproc", 2, "-o", "broadcast", "-r", 2], "-r/--root 2 is not a rank of 2"),
+    (["-d", "int32", "--redop", "avg"], "only defined here for floating types"),
+    (["-d", "complex"], "unknown datatype 'complex'"),
+    (["--compare", "chorus"], "is the backend under test already"),
+], ids=["op", "min-max", "size", "factor", "root", "avg-int", "dtype", "compare-self"])
+def test_bad_input_is_a_clear_error(capsys, args, message):
+    rc, out, err = run_main(capsys, args)
+    assert rc == 2, out + err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_plot_without_matplotlib_is_a_clear_error(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    rc, out, err = run_main(capsys, ["--nproc", 2, "--plot", tmp_path / "x.png"])
+    assert rc == 2, out + err
+    assert "--plot needs matplotlib" in err and "Traceback" not in err, err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_help_documents_every_flag(capsys):
+    rc, out, err = run_main(capsys, ["--help"])
+    assert rc == 0, err
+    for flag in ("--op", "--minbytes", "--maxbytes", "--stepfactor", "--iters",
+                 "--warmup_iters", "--check", "--datatype", "--root", "--redop", "--device",
+                 "--backend", "--compare", "--nproc", "--json", "--plot", "busbw",
+                 "memcpy (1 core)", "speed-up", "in-place", "K/M/G"):
+        assert flag in out, flag
+    for op in OPS:
+        assert op in out
