@@ -368,13 +368,14 @@ Completer::~Completer() {
   if (thread_.joinable()) thread_.detach();  // destroyed on its own thread
 }
 
-void Completer::push(WorkChorus* w) noexcept {
+void Completer::push(WorkChorus* w, bool notify) noexcept {
   try {
     {
       std::lock_guard<std::mutex> lk(mu_);
       if (!joined_) {
         queue_.push_back(w);
-        cv_.notify_one();
+        // A few unnotified works may wait for the next notify; never more than that.
+        if (notify || queue_.size() > 8) cv_.notify_one();
         return;
       }
     }
@@ -384,6 +385,17 @@ void Completer::push(WorkChorus* w) noexcept {
   // completes every request, before the completer stops): finish here rather than lose it.
   w->finalize();
   dropRef(w);
+}
+
+bool Completer::take(WorkChorus* w) noexcept {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (auto it = queue_.rbegin(); it != queue_.rend(); ++it) {
+    if (*it == w) {
+      queue_.erase(std::next(it).base());
+      return true;
+    }
+  }
+  return false;
 }
 
 void Completer::run() {
@@ -457,7 +469,8 @@ void WorkChorus::onRequestComplete(void* arg, chorus_result_t /*res*/) {
 void WorkChorus::release(bool on_core_thread) noexcept {
   if (pending_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
   if (on_core_thread) {
-    completer_->push(this);  // hands over arm()'s reference
+    // hands over arm()'s reference; a thread blocked in wait() finalizes without a wake-up
+    completer_->push(this, waiters_.load(std::memory_order_acquire) == 0);
   } else {
     finalize();
     dropRef(this);  // arm()'s reference; the caller still holds its own
@@ -629,11 +642,16 @@ bool WorkChorus::wait(std::chrono::milliseconds timeout) {
   if (!isCompleted()) {
     // Wait on the requests directly instead of on the completer: a caller on the completer
     // thread (a future callback that waits on another collective) must not deadlock.
+    waiters_.fetch_add(1, std::memory_order_acq_rel);
     if (!waitDone(deadline, has_deadline)) {
+      waiters_.fetch_sub(1, std::memory_order_acq_rel);
       throwBackend(std::string("chorus: ") + op_name_ + " (seq " + std::to_string(seq_) +
                    "): Work.wait timed out after " + std::to_string(timeout.count()) + " ms");
     }
     awaitCompleted();
+    waiters_.fetch_sub(1, std::memory_order_acq_rel);
+    // Finalized here: if the core queued it for the completer unnotified, take it back.
+    if (completer_->take(this)) dropRef(this);
   }
   std::lock_guard<std::mutex> lk(mutex_);
   if (exception_) std::rethrow_exception(exception_);

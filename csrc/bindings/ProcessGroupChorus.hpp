@@ -34,7 +34,11 @@ class Completer {
   Completer& operator=(const Completer&) = delete;
 
   // Queues w for finalize(); takes over one reference to w. Never throws (core's thread).
-  void push(WorkChorus* w) noexcept;
+  // Without notify the thread is not woken for w (a caller blocked in wait() finalizes it
+  // and takes it back); it is still handled at the next notify or at shutdown.
+  void push(WorkChorus* w, bool notify) noexcept;
+  // Removes w from the queue if it is there; true if so (the caller then owns the reference).
+  bool take(WorkChorus* w) noexcept;
   // Drains the queue and joins the thread (detaches when called from the thread itself).
   void shutdown();
 
@@ -108,6 +112,7 @@ class WorkChorus : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::atomic<int> pending_{0};
   std::atomic<bool> finalizing_{false};
+  std::atomic<int> waiters_{0};  // threads inside wait(): they finalize, the completer needn't
   bool armed_ = false;
   bool any_source_ = false;
   int source_rank_ = -1;
