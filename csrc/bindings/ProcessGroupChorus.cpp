@@ -469,12 +469,33 @@ void WorkChorus::onRequestComplete(void* arg, chorus_result_t /*res*/) {
 void WorkChorus::release(bool on_core_thread) noexcept {
   if (pending_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
   if (on_core_thread) {
+    if (beginInline()) {
+      finalize();
+      endInline();
+      dropRef(this);  // arm()'s reference
+      return;
+    }
     // hands over arm()'s reference; a thread blocked in wait() finalizes without a wake-up
     completer_->push(this, waiters_.load(std::memory_order_acquire) == 0);
   } else {
     finalize();
     dropRef(this);  // arm()'s reference; the caller still holds its own
   }
+}
+
+bool WorkChorus::beginInline() noexcept {
+  std::lock_guard<std::mutex> lk(mutex_);
+  if (future_taken_ || parent_ || !copy_back_.empty() || recordFunctionEndCallback_) return false;
+  inline_ = true;
+  return true;
+}
+
+void WorkChorus::endInline() noexcept {
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    inline_ = false;
+  }
+  cv_.notify_all();
 }
 
 bool WorkChorus::attachParent(const c10::intrusive_ptr<WorkChorus>& parent) {
@@ -658,7 +679,14 @@ bool WorkChorus::wait(std::chrono::milliseconds timeout) {
   return true;
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> WorkChorus::getFuture() { return future_; }
+c10::intrusive_ptr<c10::ivalue::Future> WorkChorus::getFuture() {
+  // From now on callbacks may be attached: the core thread must not be the one completing
+  // the future. If it is finalizing right now, let it finish first.
+  std::unique_lock<std::mutex> lk(mutex_);
+  future_taken_ = true;
+  cv_.wait(lk, [&] { return !inline_; });
+  return future_;
+}
 
 uint64_t WorkChorus::getSequencenumber() const { return seq_; }
 

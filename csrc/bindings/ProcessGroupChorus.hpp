@@ -95,6 +95,10 @@ class WorkChorus : public c10d::Work {
   // One of the things this work waits for is done; the last one finalizes (or queues the
   // finalize on the completer when it is the core's thread).
   void release(bool on_core_thread) noexcept;
+  // Can the core thread finalize this work itself (no future handed out, so no callback can
+  // run there; nothing to copy back; no parent; no profiler hook)? Marks it as inline if so.
+  bool beginInline() noexcept;
+  void endInline() noexcept;
   bool attachParent(const c10::intrusive_ptr<WorkChorus>& parent);
   // finalize(), then wait until completed_ (another thread may be the one finalizing).
   void awaitCompleted();
@@ -113,6 +117,8 @@ class WorkChorus : public c10d::Work {
   std::atomic<int> pending_{0};
   std::atomic<bool> finalizing_{false};
   std::atomic<int> waiters_{0};  // threads inside wait(): they finalize, the completer needn't
+  bool future_taken_ = false;    // guarded by mutex_: getFuture() was called
+  bool inline_ = false;          // guarded by mutex_: the core thread is finalizing right now
   bool armed_ = false;
   bool any_source_ = false;
   int source_rank_ = -1;

@@ -1,6 +1,7 @@
 /* bench_comm.c - times all-reduce through the C API without Python: forks N ranks that meet
  * on 127.0.0.1 and prints the average time per call for a range of sizes.
- * Usage: bench_comm NRANKS [MIN_BYTES MAX_BYTES] (float32 sum; CHORUS_* variables apply). */
+ * Usage: bench_comm NRANKS [MIN_BYTES MAX_BYTES] (float32 sum; CHORUS_* variables apply;
+ * BENCH_INPLACE=1 reduces in place). */
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <stdio.h>
@@ -54,7 +55,7 @@ static int rank_main(int rank, int n, int port, size_t lo, size_t hi) {
     return 1;
   }
   size_t maxc = hi / 4 ? hi / 4 : 1;
-  float *in = malloc(maxc * 4), *out = malloc(maxc * 4);
+  float *in = malloc(maxc * 4), *out = getenv("BENCH_INPLACE") ? in : malloc(maxc * 4);
   for (size_t i = 0; i < maxc; i++) in[i] = out[i] = 1.0f;
   for (size_t b = lo; b <= hi; b *= 4) {
     size_t count = b / 4 ? b / 4 : 1;
@@ -70,8 +71,8 @@ static int rank_main(int rank, int n, int port, size_t lo, size_t hi) {
              2.0 * (n - 1) / n * (double)count * 4 / dt / 1e9);
     fflush(stdout);
   }
+  if (out != in) free(out);
   free(in);
-  free(out);
   chorus_comm_destroy(c);
   if (bs.release) bs.release(bs.ctx);
   return 0;

@@ -1,4 +1,5 @@
 /* tune.c - choosing an algorithm per collective. */
+#include <stdlib.h>
 #include "algo.h"
 
 chorus_result_t tune_init(struct chorus_comm *comm) {
@@ -8,7 +9,7 @@ chorus_result_t tune_init(struct chorus_comm *comm) {
 
 int algo_select(struct chorus_comm *comm, const struct op *op) {
   size_t bytes = op->count * dtype_size(op->dtype);
-  if (op->kind == OP_ALLREDUCE && bytes > ((size_t)128 << 10) && algo_usable(comm, op, ALGO_TWOSHOT))
+  if (op->kind == OP_ALLREDUCE && bytes > (getenv("X_TS") ? (size_t)atoll(getenv("X_TS")) : 131072) && algo_usable(comm, op, ALGO_TWOSHOT))
     return ALGO_TWOSHOT;
   if (algo_usable(comm, op, ALGO_ONESHOT)) return ALGO_ONESHOT;
   return ALGO_DIRECT;
