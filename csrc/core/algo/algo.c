@@ -138,19 +138,11 @@ int algo_from_name(const char *name) {
   return -1;
 }
 
-int algo_usable(const struct chorus_comm *comm, const struct op *op, int id) {
-  if (id < 0 || id >= ALGO_COUNT || (unsigned)op->kind >= OP_KIND_COUNT) return 0;
-  if (!algo_table[id].run[op->kind]) return 0;
-  (void)comm;
-  return 1;
-}
-
 chorus_result_t algo_run(struct chorus_comm *comm, struct op *op) {
   if ((unsigned)op->kind >= OP_BARRIER + 1)
     return comm_set_error(comm, CHORUS_ERR_INTERNAL, "rank %d: %s is not a collective",
                           comm->rank, op_kind_name(op->kind));
-  int id = comm->algo_force[op->kind];
-  if (!algo_usable(comm, op, id)) id = algo_select(comm, op);
+  int id = algo_select(comm, op); /* CHORUS_ALGO's choice where it can run, else the tuner */
   if (!algo_usable(comm, op, id)) id = ALGO_DIRECT;
   op->algo = id;
   return algo_table[id].run[op->kind](comm, op);

@@ -60,8 +60,14 @@ struct algo_desc {
 extern const struct algo_desc algo_table[ALGO_COUNT];
 const char *algo_name(int id);
 int algo_from_name(const char *name); /* -1 if unknown */
-/* Can algorithm id run op on this communicator (implemented, topology allows it)? */
+/* tune.c: can algorithm id run op on this communicator: implemented for op->kind and
+ * algo_constraints_ok? */
 int algo_usable(const struct chorus_comm *comm, const struct op *op, int id);
+/* tune.c: the one place for per-algorithm constraints (topology, shape of the op). Defaults:
+ * oneshot/twoshot need every rank on one host with shm; hier needs several hosts with
+ * several ranks on one; only direct takes v-variants (unequal counts, alltoallv). Inputs
+ * must be equal on every rank, so that every rank chooses alike. */
+int algo_constraints_ok(const struct chorus_comm *comm, const struct op *op, int id);
 
 /* tune.c: the algorithm for op (an override from CHORUS_ALGO, else the cost model). Always
  * returns a usable id (ALGO_DIRECT as the last resort). Depends only on facts that agree on
