@@ -13,24 +13,25 @@
 #include "tune.h"
 
 /* ------------------------------------------------------------------ measured constants
- * Measured on the development machine (2 cores shared with other jobs, Linux, loopback):
+ * Measured on the development machine (2 cores, shared; Linux; loopback), idle otherwise:
  *   nice make -C tests/c bench_transport && nice tests/c/build/bench_transport
- * medians of 5 runs of 2 ranks; the values below are the rounded middle of three runs:
- *   shm     latency 37-42 us, overhead 8-12 us/msg, bandwidth 2.7-4.4 GB/s
- *   socket  latency 67-93 us, overhead 8-12 us/msg, bandwidth 0.59-0.68 GB/s (loopback)
- *   reduce  float32 sum 32 MiB inputs: 2 inputs 3.4-7.4 GB/s, 8 inputs 2.9-3.5 GB/s
- *   memcpy  3.7-4.2 GB/s (32 MiB)
- * Latency is half a round trip through the public p2p API, so it includes the hand-off to
- * the engine thread and its futex wake-up, which every algorithm step pays on this machine.
- * Between hosts nothing could be measured (one host): net uses the loopback socket numbers,
- * which bound the CPU cost of the socket path; set CHORUS_TUNE_MODEL=net=... for a real
- * network. */
+ * Each run prints medians of 5 repetitions between 2 ranks; three runs gave
+ *   shm     latency 13.7-17.4 us, overhead 5.1-8.1 us/msg, bandwidth 5.0-5.6 GB/s
+ *   socket  latency 29.0-33.4 us, overhead 4.9-5.8 us/msg, bandwidth 3.4-3.6 GB/s (loopback)
+ *   reduce  float32 sum over 32 MiB inputs: 2 inputs 10.4-11.9 GB/s, 8 inputs 5.9-6.2 GB/s
+ *   memcpy  13.4-14.9 GB/s (32 MiB source into a 4 MiB window)
+ * and the values below are their middles. Latency is half a round trip through the public
+ * p2p API, so it includes the hand-off to the engine thread and its futex wake-up, which
+ * every algorithm step pays. While other jobs loaded the machine, latencies were 2-3x and
+ * socket bandwidth 5x worse: the constants describe an idle host. Between hosts nothing
+ * could be measured (one host): net uses the loopback socket numbers, a lower bound on the
+ * CPU cost of the socket path; set CHORUS_TUNE_MODEL=net=LAT:OVH:GBPS for a real network. */
 const struct tune_model tune_measured = {
-    .shm = {38.0, 9.0, 3.5},
-    .sock = {85.0, 10.0, 0.65},
-    .net = {85.0, 10.0, 0.65},
-    .reduce_gbps = 4.0,
-    .copy_gbps = 4.0,
+    .shm = {15.0, 6.0, 5.3},
+    .sock = {31.0, 5.4, 3.5},
+    .net = {31.0, 5.4, 3.5},
+    .reduce_gbps = 8.5,
+    .copy_gbps = 14.0,
 };
 
 /* Per-communicator state (engine thread only after tune_init). */
@@ -503,8 +504,8 @@ static int copy_trimmed(const char *b, const char *e, char *out, size_t cap) {
 /* Syntax: groups separated by ';', items by ','. An item is [collective ':'] ['^'] name.
  * An item with a collective starts that collective's list; a bare item continues the list
  * of the current group (the global list if the group has named no collective yet). A list
- * allows its algorithms (one: forced), or with '^' excludes them. Per-collective lists
- * replace the global one for their collective. */
+ * allows its algorithms (one: forced), or with '^' in front excludes them all. Per-collective
+ * lists replace the global one for their collective. */
 int tune_parse_algo(const char *text, struct tune_force *out, char *err, size_t err_cap,
                     char *warn, size_t warn_cap) {
   uint32_t list[OP_KIND_COUNT + 1] = {0};   /* [OP_KIND_COUNT] is the global list */
@@ -567,7 +568,8 @@ int tune_parse_algo(const char *text, struct tune_force *out, char *err, size_t 
           snprintf(err, err_cap, "unknown algorithm \"%s\" (valid: %s)", name, names);
           return -1;
         }
-        int m = exclude ? 2 : 1;
+        /* as in NCCL, a ^ in front of a list excludes the whole list */
+        int m = exclude || mode[cur] == 2 ? 2 : 1;
         if (mode[cur] && mode[cur] != m) {
           snprintf(err, err_cap, "\"%s\" mixes allowed and excluded (^) algorithms in one list",
                    name);
