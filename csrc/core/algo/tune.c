@@ -702,8 +702,9 @@ chorus_result_t tune_init(struct chorus_comm *comm) {
   if (warn[0]) WARN(comm->rank, "%s=\"%s\": %s", source, text, warn);
   for (int k = 0; k < OP_KIND_COUNT; k++) comm->algo_force[k] = st->force.force[k];
   comm->tune = st;
-  INFO(SUB_TUNE, comm->rank, "tuner: %d ranks, %d hosts, up to %d per host, intra-host %s%s%s",
-       st->topo.nranks, st->topo.nhosts, st->topo.per_host, st->topo.shm ? "shm" : "socket",
+  INFO(SUB_TUNE, comm->rank, "tuner: %d ranks, %d host%s, up to %d per host, intra-host %s%s%s",
+       st->topo.nranks, st->topo.nhosts, st->topo.nhosts > 1 ? "s" : "", st->topo.per_host,
+       st->topo.shm ? "shm" : "socket",
        text[0] ? "; " : "", text[0] ? source : "");
   return CHORUS_SUCCESS;
 }
