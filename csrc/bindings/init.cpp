@@ -1,6 +1,6 @@
 // init.cpp - the Python module chorus._C: binds ProcessGroupChorus onto torch's
 // torch._C._distributed_c10d.Backend (intrusive_ptr holder, so c10d accepts the object the
-// creator returns), and exposes version() and the core's parameter table.
+// creator returns), and exposes version(), the core's parameter table and the tuner's plan.
 #include <torch/python.h>
 
 #include <chrono>
@@ -53,6 +53,48 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("_sequence_number", &ProcessGroupChorus::getSequenceNumberForGroup,
            py::call_guard<py::gil_scoped_release>());
 
+  m.def(
+      "tune_plan",
+      [](const std::string& collective, uint64_t bytes, int nranks, int ranks_per_host, bool shm,
+         const py::object& algo, bool unimplemented) {
+        chorus_tune_topology_t topo{nranks, ranks_per_host, shm ? 1 : 0};
+        std::string override_text;
+        const char* override_ptr = nullptr;  // None: CHORUS_ALGO / NCCL_ALGO as in force
+        if (!algo.is_none()) {
+          override_text = algo.cast<std::string>();
+          override_ptr = override_text.c_str();
+        }
+        chorus_tune_plan_t plan;
+        chorus_result_t res =
+            chorus_tune_plan(collective.c_str(), static_cast<size_t>(bytes), &topo, override_ptr,
+                             unimplemented ? CHORUS_TUNE_UNIMPLEMENTED : 0u, &plan);
+        if (res != CHORUS_SUCCESS) throw py::value_error(chorus_comm_error(nullptr));
+        py::dict d;
+        d["algo"] = std::string(plan.algo);
+        d["predicted_us"] = plan.predicted_us < 0 ? py::none() : py::cast(plan.predicted_us);
+        d["forced"] = plan.forced != 0;
+        d["fell_back"] = plan.fell_back != 0;
+        d["nhosts"] = plan.nhosts;
+        py::list cands;
+        for (int i = 0; i < plan.ncandidates; i++) {
+          py::dict c;
+          c["algo"] = std::string(plan.candidates[i].algo);
+          c["predicted_us"] = plan.candidates[i].predicted_us < 0
+                                  ? py::none()
+                                  : py::cast(plan.candidates[i].predicted_us);
+          c["implemented"] = plan.candidates[i].implemented != 0;
+          cands.append(c);
+        }
+        d["candidates"] = cands;
+        return d;
+      },
+      py::arg("collective"), py::arg("bytes"), py::arg("nranks"), py::arg("ranks_per_host"),
+      py::arg("shm") = true, py::arg("algo") = py::none(), py::arg("unimplemented") = false,
+      "chorus_tune_plan(): the algorithm a communicator of this shape would choose for one "
+      "collective of `bytes` bytes, its predicted time and every candidate, cheapest first. "
+      "algo: None reads CHORUS_ALGO as a communicator would, '' ignores it, else an override. "
+      "unimplemented: also consider algorithms this build lacks (model only). ValueError on "
+      "bad input.");
   m.def("version", []() { return std::string(chorus_version()); },
         "Version of the C core (chorus_version()).");
   m.def(

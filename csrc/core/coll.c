@@ -211,11 +211,13 @@ chorus_result_t chorus_iscatter(chorus_comm_t *comm, const void *sendbuf, void *
   return submit(comm, o, req);
 }
 
-chorus_result_t chorus_ialltoallv(chorus_comm_t *comm, const void *sendbuf,
-                                  const size_t *sendcounts, const size_t *sdispls,
-                                  void *recvbuf, const size_t *recvcounts,
-                                  const size_t *rdispls, chorus_dtype_t dtype,
-                                  chorus_request_t **req) {
+/* uniform: issued through chorus_ialltoall, so every rank sends and receives equal counts
+ * (a fact the tuner may use; per-peer counts of an alltoallv differ between ranks). */
+static chorus_result_t alltoallv_submit(chorus_comm_t *comm, const void *sendbuf,
+                                        const size_t *sendcounts, const size_t *sdispls,
+                                        void *recvbuf, const size_t *recvcounts,
+                                        const size_t *rdispls, chorus_dtype_t dtype,
+                                        int uniform, chorus_request_t **req) {
   CHECK(check_common(comm, dtype, req, "all_to_all"));
   if (!sendcounts || !sdispls || !recvcounts || !rdispls)
     ARG_FAIL("all_to_all: count or displacement arrays are NULL");
@@ -229,6 +231,7 @@ chorus_result_t chorus_ialltoallv(chorus_comm_t *comm, const void *sendbuf,
   struct op *o = op_new(OP_ALLTOALL, sendbuf, recvbuf, 0, dtype);
   if (o) {
     int n = comm->nranks;
+    o->uniform = uniform;
     o->counts = dup_counts(sendcounts, n);
     o->displs = dup_counts(sdispls, n);
     o->counts2 = dup_counts(recvcounts, n);
@@ -245,6 +248,15 @@ chorus_result_t chorus_ialltoallv(chorus_comm_t *comm, const void *sendbuf,
   return submit(comm, o, req);
 }
 
+chorus_result_t chorus_ialltoallv(chorus_comm_t *comm, const void *sendbuf,
+                                  const size_t *sendcounts, const size_t *sdispls,
+                                  void *recvbuf, const size_t *recvcounts,
+                                  const size_t *rdispls, chorus_dtype_t dtype,
+                                  chorus_request_t **req) {
+  return alltoallv_submit(comm, sendbuf, sendcounts, sdispls, recvbuf, recvcounts, rdispls,
+                          dtype, 0, req);
+}
+
 chorus_result_t chorus_ialltoall(chorus_comm_t *comm, const void *sendbuf, void *recvbuf,
                                  size_t count, chorus_dtype_t dtype, chorus_request_t **req) {
   CHECK(check_common(comm, dtype, req, "all_to_all"));
@@ -259,7 +271,7 @@ chorus_result_t chorus_ialltoall(chorus_comm_t *comm, const void *sendbuf, void 
     c[p] = count;
     d[p] = count * (size_t)p;
   }
-  chorus_result_t res = chorus_ialltoallv(comm, sendbuf, c, d, recvbuf, c, d, dtype, req);
+  chorus_result_t res = alltoallv_submit(comm, sendbuf, c, d, recvbuf, c, d, dtype, 1, req);
   free(c);
   free(d);
   return res;

@@ -91,6 +91,7 @@ static void comm_free(struct chorus_comm *comm) {
   free(comm->peers);
   free(comm->local_rank_of);
   free(comm->host_of);
+  tune_fini(comm);
   pthread_mutex_destroy(&comm->mu);
   pthread_mutex_destroy(&comm->err_mu);
   pthread_cond_destroy(&comm->idle_cv);

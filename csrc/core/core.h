@@ -69,7 +69,14 @@ int chorus_log_enabled(int level, int subsys);
     "Bytes of shared memory per rank for the same-host direct-access algorithms (oneshot, "  \
     "twoshot); messages are processed in chunks of half of it.")                             \
   X(SOCKET_SNDBUF, "SOCKET_SNDBUF", "size", "0", 0,                                          \
-    "SO_SNDBUF/SO_RCVBUF for data sockets; 0 leaves the kernel's autotuning.")
+    "SO_SNDBUF/SO_RCVBUF for data sockets; 0 leaves the kernel's autotuning.")              \
+  X(ALGO, "ALGO", "string", "", 1,                                                            \
+    "Algorithms to use: a name for every collective (ring), or per collective "              \
+    "(allreduce:ring,allgather:rd); a list lets the tuner choose among it, ^ excludes. "      \
+    "Empty: the tuner chooses. Unknown names fail communicator creation.")                   \
+  X(TUNE_MODEL, "TUNE_MODEL", "string", "", 0,                                                \
+    "Override the tuner's measured constants: shm=, socket=, net=LAT_US:OVERHEAD_US:GBPS, "   \
+    "reduce=GBPS, copy=GBPS (comma list; empty fields keep the measured value).")
 
 enum param_id {
 #define X_ENUM(ID, NAME, TYPE, DEF, NCCL, DOC) PARAM_##ID,
@@ -290,6 +297,8 @@ struct op {
   size_t done_bytes;          /* p2p progress */
   int hdr_done;               /* p2p: header sent/received */
   int algo;                   /* collectives: enum algo_id chosen by algo_run (header flags) */
+  int uniform;                /* all_to_all: issued as chorus_ialltoall (equal counts on every
+                               * rank), so algorithms that need equal counts may be chosen */
   struct op *next;
 };
 
@@ -313,6 +322,7 @@ struct chorus_comm {
   int max_per_host;           /* most ranks on any one host */
   int algo_force[OP_KIND_COUNT]; /* enum algo_id per collective from CHORUS_ALGO, -1: tuner */
   int last_algo;              /* enum algo_id of the last collective started (tests read it) */
+  struct tune_state *tune;    /* tune.c: model, overrides, what has been logged */
   conn_t **conns[CHAN_COUNT]; /* [channel][peer], NULL for self */
   struct shm_state *shm;
   struct sock_state *sock;
@@ -398,8 +408,11 @@ chorus_result_t msg_rx_header(struct msg_rx *rx, int *ready);
 
 /* algo/ files: each collective's schedule. Run on the engine thread. */
 const char *algo_name(int id); /* enum algo_id in algo/algo.h */
-/* tune.c: reads CHORUS_ALGO into comm->algo_force (after the topology is known). */
+/* tune.c: reads CHORUS_ALGO into comm->algo_force and the cost model's inputs (after the
+ * topology is known); a bad CHORUS_ALGO or CHORUS_TUNE_MODEL is CHORUS_ERR_INVALID.
+ * tune_fini frees what tune_init made (safe if it never ran). */
 chorus_result_t tune_init(struct chorus_comm *comm);
+void tune_fini(struct chorus_comm *comm);
 chorus_result_t algo_run(struct chorus_comm *comm, struct op *op);
 /* p2p progress (engine.c) */
 chorus_result_t p2p_progress(struct chorus_comm *comm, int *progressed);

@@ -270,7 +270,7 @@ static int expect_usable(const struct world *w, const struct tcase *c) {
   }
   if ((c->algo == ALGO_RHD || c->algo == ALGO_RD) && c->kind == OP_ALLGATHER)
     return c->var != V_UNPACKED;
-  if (c->algo == ALGO_BRUCK && c->kind == OP_ALLTOALL) return c->var != V_UNEVEN || w->n == 1;
+  if (c->algo == ALGO_BRUCK && c->kind == OP_ALLTOALL) return c->var != V_UNEVEN; /* alltoallv: no */
   /* direct access needs shared memory, i.e. a second rank; all-to-all with equal blocks */
   if (c->algo == ALGO_ONESHOT || c->algo == ALGO_TWOSHOT)
     return w->n > 1 && !(c->kind == OP_ALLTOALL && c->var == V_UNEVEN);
@@ -410,8 +410,9 @@ static int run_case(struct world *w, chorus_comm_t *comm, int me, const struct t
     case OP_REDUCE: r = chorus_ireduce(comm, in, out, c->count, d, rop, c->root, &req); break;
     case OP_REDUCE_SCATTER: r = chorus_ireduce_scatterv(comm, in, out, cnt, d, rop, &req); break;
     case OP_ALLGATHER: r = chorus_iallgatherv(comm, in, out, cnt, dsp, d, &req); break;
-    case OP_ALLTOALL:
-      r = chorus_ialltoallv(comm, sb, cnt, dsp, out, cnt2, dsp2, d, &req);
+    case OP_ALLTOALL: /* equal blocks go through the uniform entry point, as users call it */
+      r = c->var == V_UNEVEN ? chorus_ialltoallv(comm, sb, cnt, dsp, out, cnt2, dsp2, d, &req)
+                             : chorus_ialltoall(comm, sb, out, cnt[0], d, &req);
       break;
     case OP_BARRIER: r = chorus_ibarrier(comm, &req); break;
     default: break;

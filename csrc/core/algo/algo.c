@@ -364,11 +364,11 @@ int algo_from_name(const char *name) {
   return -1;
 }
 
-/* ------------------------------------------------------------------ algorithm constraints
- * What each network algorithm needs beyond having an entry for the collective: the
- * v-variant shapes it handles and the topology it assumes. Kept in this one function so
- * the checks move with algo_usable (to tune.c) as one piece. */
-int algo_constraints_ok(const struct chorus_comm *comm, const struct op *op, int id) {
+/* ------------------------------------------------------------------ shape constraints
+ * What each algorithm needs of the op's shape beyond having an entry for the collective and
+ * passing the topology checks (tune.c: algo_usable calls this). Every input must be equal on
+ * every rank of a correct program, or ranks would choose differently. */
+int algo_shape_ok(const struct chorus_comm *comm, const struct op *op, int id) {
   const int n = comm->nranks;
   switch (id) {
     case ALGO_RHD:
@@ -379,12 +379,13 @@ int algo_constraints_ok(const struct chorus_comm *comm, const struct op *op, int
     case ALGO_BRUCK:
       /* the Bruck all-to-all packs equal blocks; all-to-all-v goes elsewhere */
       if (op->kind == OP_ALLTOALL)
-        return counts_uniform(op->counts, n) && counts_uniform(op->counts2, n) &&
+        return op->uniform && counts_uniform(op->counts, n) && counts_uniform(op->counts2, n) &&
                op->counts[0] == op->counts2[0];
       return 1;
     case ALGO_ONESHOT:
     case ALGO_TWOSHOT:
-      /* every rank on this host with shared memory; uniform all-to-all only */
+      /* every rank on this host with shared memory; all-to-all with equal blocks only */
+      if (op->kind == OP_ALLTOALL && !op->uniform) return 0;
       return shm_direct_ok(comm, op, id);
     case ALGO_HIER:
       /* several hosts, and some host with more than one rank */
@@ -394,18 +395,14 @@ int algo_constraints_ok(const struct chorus_comm *comm, const struct op *op, int
   }
 }
 
-int algo_usable(const struct chorus_comm *comm, const struct op *op, int id) {
-  if (id < 0 || id >= ALGO_COUNT || (unsigned)op->kind >= OP_KIND_COUNT) return 0;
-  if (!algo_table[id].run[op->kind]) return 0;
-  return algo_constraints_ok(comm, op, id);
-}
-
 chorus_result_t algo_run(struct chorus_comm *comm, struct op *op) {
   if ((unsigned)op->kind >= OP_BARRIER + 1)
     return comm_set_error(comm, CHORUS_ERR_INTERNAL, "rank %d: %s is not a collective",
                           comm->rank, op_kind_name(op->kind));
-  int id = comm->algo_force[op->kind];
-  if (!algo_usable(comm, op, id)) id = algo_select(comm, op);
+  int id = algo_select(comm, op); /* CHORUS_ALGO's choice where it can run, else the tuner */
+  /* comm->algo_force holds CHORUS_ALGO's single choices, and tests set it directly */
+  int f = comm->algo_force[op->kind];
+  if (f >= 0 && f != id && algo_usable(comm, op, f)) id = f;
   if (!algo_usable(comm, op, id)) id = ALGO_DIRECT;
   op->algo = id;
   comm->last_algo = id;

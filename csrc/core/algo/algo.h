@@ -132,10 +132,16 @@ struct algo_desc {
 extern const struct algo_desc algo_table[ALGO_COUNT];
 const char *algo_name(int id);
 int algo_from_name(const char *name); /* -1 if unknown */
-/* Can algorithm id run op on this communicator (implemented, topology allows it)? */
+/* tune.c: can algorithm id run op on this communicator: implemented for op->kind and
+ * algo_constraints_ok? */
 int algo_usable(const struct chorus_comm *comm, const struct op *op, int id);
-/* The per-algorithm part of algo_usable: v-variant shapes and topology (algo.c). */
+/* tune.c: the per-algorithm constraints: topology (tune_topo_ok: oneshot/twoshot need every
+ * rank on one host with shm; hier several hosts with several ranks on one), v-variants
+ * (unequal counts, alltoallv: only the algorithms in tune.c's algo_v_ok) and the op's shape
+ * (algo_shape_ok). Inputs must be equal on every rank, so that every rank chooses alike. */
 int algo_constraints_ok(const struct chorus_comm *comm, const struct op *op, int id);
+/* algo.c: what each algorithm needs of the op's shape (packed displacements, equal blocks). */
+int algo_shape_ok(const struct chorus_comm *comm, const struct op *op, int id);
 
 /* tune.c: the algorithm for op (an override from CHORUS_ALGO, else the cost model). Always
  * returns a usable id (ALGO_DIRECT as the last resort). Depends only on facts that agree on

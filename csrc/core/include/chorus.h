@@ -209,6 +209,45 @@ const chorus_param_info_t *chorus_param_get_info(int index);
  * Writes at most cap bytes of value (NUL-terminated). Returns 0, or -1 if unknown. */
 int chorus_param_value(const char *name, char *value, size_t cap, const char **source);
 
+/* ---- Tuner: which algorithm a collective would use, without a communicator ----
+ * The same decision a communicator makes for each collective (one code path): the forced
+ * algorithm from CHORUS_ALGO where it can run, else the cheapest by the cost model among
+ * the algorithms this build implements whose constraints the topology passes. */
+#define CHORUS_TUNE_NAME_MAX 16
+#define CHORUS_TUNE_MAX_CANDIDATES 16
+typedef struct {
+  int nranks;          /* >= 1 */
+  int ranks_per_host;  /* 1..nranks: hosts hold this many ranks, the last one the remainder */
+  int shm;             /* 1: ranks of one host use shared memory; 0: TCP (CHORUS_SHM_DISABLE=1) */
+} chorus_tune_topology_t;
+typedef struct {
+  char algo[CHORUS_TUNE_NAME_MAX];
+  double predicted_us;     /* < 0: the model has no estimate for this algorithm */
+  int implemented;         /* 0 only with CHORUS_TUNE_UNIMPLEMENTED */
+} chorus_tune_candidate_t;
+typedef struct {
+  char algo[CHORUS_TUNE_NAME_MAX];  /* the choice */
+  double predicted_us;              /* its predicted time (< 0: no estimate) */
+  int forced;                       /* 1: chosen because CHORUS_ALGO names it */
+  int fell_back;                    /* 1: CHORUS_ALGO names algorithms that cannot run here */
+  int nhosts;
+  int ncandidates;                  /* every algorithm that could run, cheapest first */
+  chorus_tune_candidate_t candidates[CHORUS_TUNE_MAX_CANDIDATES];
+} chorus_tune_plan_t;
+/* flags: also consider algorithms this build does not implement (model only). */
+#define CHORUS_TUNE_UNIMPLEMENTED 1u
+/* collective: "all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter",
+ * "all_to_all", "gather", "scatter", "barrier" (any case, underscores optional).
+ * bytes: the larger buffer of one rank, as in nccl-tests: the vector of all_reduce,
+ * broadcast and reduce; the whole output of all_gather and gather; the whole input of
+ * reduce_scatter, scatter and all_to_all; ignored for barrier. algo_override: NULL reads
+ * CHORUS_ALGO (else NCCL_ALGO) as a communicator would; "" ignores it; else a value in
+ * CHORUS_ALGO's syntax. Thread-safe, allocates nothing. Returns CHORUS_ERR_INVALID with the
+ * reason in chorus_comm_error(NULL) for a bad argument, override or CHORUS_TUNE_MODEL. */
+chorus_result_t chorus_tune_plan(const char *collective, size_t bytes,
+                                 const chorus_tune_topology_t *topo, const char *algo_override,
+                                 unsigned flags, chorus_tune_plan_t *plan);
+
 const char *chorus_version(void);
 
 #ifdef __cplusplus
