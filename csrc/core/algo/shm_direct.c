@@ -166,7 +166,7 @@ static void copy_in(struct dx *x, void *dst, const void *src, size_t count) {
 static size_t div_up(size_t a, size_t b) { return (a + b - 1) / b; }
 
 /* Outputs at least this big leave the caches anyway: write them with streaming stores. */
-#define STREAM_MIN_BYTES ((size_t)(getenv("X_SM") ? atoll(getenv("X_SM")) : 512 << 10))
+#define STREAM_MIN_BYTES ((size_t)512 << 10)
 static void copy_out(void *dst, const void *src, size_t n, size_t total) {
   if (total >= STREAM_MIN_BYTES) copy_stream(dst, src, n);
   else memcpy(dst, src, n);
