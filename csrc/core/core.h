@@ -322,6 +322,8 @@ struct chorus_comm {
   int max_per_host;           /* most ranks on any one host */
   int algo_force[OP_KIND_COUNT]; /* enum algo_id per collective from CHORUS_ALGO, -1: tuner */
   int last_algo;              /* enum algo_id of the last collective started (tests read it) */
+  int stepwise_halves_ok;     /* tests: a forced schedule may round fp16/bf16 sums in steps
+                               * (the simulator's inputs add exactly in any order) */
   struct tune_state *tune;    /* tune.c: model, overrides, what has been logged */
   conn_t **conns[CHAN_COUNT]; /* [channel][peer], NULL for self */
   struct shm_state *shm;

@@ -482,6 +482,44 @@ static void test_comm_env(void) {
   op.counts = NULL;
   fake_free(&f);
 
+  /* fp16/bf16 sums and products on more than two ranks: only schedules that round once */
+  unsetenv("CHORUS_ALGO");
+  param_reset_cache();
+  for (int nr = 2; nr <= 8; nr += 6) {
+    fake_init(&f, nr, nr, 0);
+    EXPECT(tune_init(&f.comm) == CHORUS_SUCCESS, "plain comm");
+    const chorus_dtype_t halves[2] = {CHORUS_FLOAT16, CHORUS_BFLOAT16};
+    const chorus_op_kind_t rops[5] = {CHORUS_SUM, CHORUS_AVG, CHORUS_PREMUL_SUM, CHORUS_PROD,
+                                      CHORUS_MAX};
+    const enum op_kind ks[3] = {OP_ALLREDUCE, OP_REDUCE, OP_REDUCE_SCATTER};
+    for (int h = 0; h < 2; h++)
+      for (int q = 0; q < 5; q++)
+        for (int kk = 0; kk < 3; kk++) {
+          make_op(&op, ks[kk], 1 << 16, nr, f.counts);
+          op.dtype = halves[h];
+          op.op.kind = rops[q];
+          int chosen = algo_select(&f.comm, &op);
+          int once = chosen == ALGO_DIRECT || chosen == ALGO_ONESHOT || chosen == ALGO_TWOSHOT;
+          EXPECT(nr == 2 || rops[q] == CHORUS_MAX || once,
+                 "%d ranks %s %s %s: chose %s, which rounds in steps", nr,
+                 chorus_dtype_name(halves[h]), chorus_op_name(rops[q]), op_kind_name(ks[kk]),
+                 algo_name(chosen));
+          for (int x = 0; x < ALGO_COUNT; x++) {
+            if (!algo_table[x].run[ks[kk]]) continue;
+            int single = x == ALGO_DIRECT || x == ALGO_ONESHOT || x == ALGO_TWOSHOT;
+            if (nr > 2 && rops[q] != CHORUS_MAX && !single)
+              EXPECT(!algo_usable(&f.comm, &op, x), "%s usable for %s %s on %d ranks",
+                     algo_name(x), chorus_dtype_name(halves[h]), chorus_op_name(rops[q]), nr);
+          }
+          op.counts = NULL;
+        }
+    /* the same op in float32 may use a stepwise schedule */
+    make_op(&op, OP_ALLREDUCE, 1 << 16, nr, f.counts);
+    op.dtype = CHORUS_FLOAT32;
+    EXPECT(algo_usable(&f.comm, &op, ALGO_RING), "ring refused for float32 on %d ranks", nr);
+    fake_free(&f);
+  }
+
   setenv("CHORUS_TUNE_MODEL", "net=1:2", 1);
   param_reset_cache();
   fake_init(&f, 8, 4, 1);
