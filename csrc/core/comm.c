@@ -79,6 +79,7 @@ static int timeout_from(const chorus_comm_options_t *opts) {
 
 static void comm_free(struct chorus_comm *comm) {
   engine_stop(comm, 1);
+  workers_stop(comm);
   for (int ch = 0; ch < CHAN_COUNT; ch++) {
     if (!comm->conns[ch]) continue;
     for (int p = 0; p < comm->nranks; p++)
@@ -100,6 +101,7 @@ static void comm_free(struct chorus_comm *comm) {
 
 static chorus_result_t comm_init(struct chorus_comm *comm, const chorus_comm_options_t *opts) {
   int me = comm->rank, n = comm->nranks;
+  CHECK(tune_check_params(comm));
   /* Secret and nonce: rank 0 draws them, everyone reads them from the store. */
   uint8_t blob[40];
   if (me == 0) {

@@ -65,9 +65,12 @@ int chorus_log_enabled(int level, int subsys);
   X(SPIN_COUNT, "SPIN_COUNT", "int", "-1", 0,                                                \
     "Polls of an idle connection before the waiting thread yields the core, then sleeps; "    \
     "-1: 2000 when every local rank has a core of its own, else 0.")                         \
-  X(SHM_SCRATCH, "SHM_SCRATCH", "size", "1M", 0,                                              \
+  X(SHM_SCRATCH, "SHM_SCRATCH", "size", "4M", 0,                                              \
     "Bytes of shared memory per rank for the same-host direct-access algorithms (oneshot, "  \
     "twoshot); messages are processed in chunks of half of it.")                             \
+  X(SHM_THREADS, "SHM_THREADS", "int", "-1", 0,                                             \
+    "Threads per rank (the engine's own included) that split big same-host copies and "      \
+    "reductions; -1: half the host's cores divided by its local ranks, 1 to 4.")             \
   X(SOCKET_SNDBUF, "SOCKET_SNDBUF", "size", "0", 0,                                          \
     "SO_SNDBUF/SO_RCVBUF for data sockets; 0 leaves the kernel's autotuning.")              \
   X(ALGO, "ALGO", "string", "", 1,                                                            \
@@ -135,6 +138,26 @@ void reduce_divide(void *buf, size_t count, chorus_dtype_t dtype, int divisor);
 /* memcpy that bypasses the caches for the destination (non-temporal stores) where the
  * CPU has them: for outputs too big to stay cached, it saves the read-for-ownership. */
 void copy_stream(void *dst, const void *src, size_t n);
+
+/* workers.c: helper threads of a communicator for big same-host copies and reductions.
+ * workers_for runs fn over [0, count) split into cache-line aligned ranges, one per
+ * thread (the caller's included), and returns when all are done; small jobs run in the
+ * caller alone. Engine thread only. */
+typedef void (*workers_fn)(void *ctx, size_t begin, size_t end);
+void workers_for(struct chorus_comm *comm, size_t count, size_t elem_size, workers_fn fn,
+                 void *ctx);
+void workers_copy(struct chorus_comm *comm, void *dst, const void *src, size_t bytes,
+                  int stream);
+/* reduce_n over ranges, then reduce_divide by divisor where divisor > 1 (AVG) */
+void workers_reduce(struct chorus_comm *comm, void *out, const void *const *in, int n,
+                    size_t count, chorus_dtype_t dtype, chorus_op_kind_t kind, int divisor);
+void workers_premul(struct chorus_comm *comm, void *dst, const void *src, size_t count,
+                    chorus_dtype_t dtype, double factor);
+/* dst[i] = src[i / slice][i] for i < bytes: the slices of a chunk gathered from the
+ * buffers that hold them (each src[p] is addressed from the chunk's start) */
+void workers_gather(struct chorus_comm *comm, void *dst, const uint8_t *const *src,
+                    size_t slice, size_t bytes, int stream);
+void workers_stop(struct chorus_comm *comm);
 float half_to_float(uint16_t h);
 uint16_t float_to_half(float f);     /* round to nearest even */
 float bf16_to_float(uint16_t b);
@@ -325,6 +348,8 @@ struct chorus_comm {
   int stepwise_halves_ok;     /* tests: a forced schedule may round fp16/bf16 sums in steps
                                * (the simulator's inputs add exactly in any order) */
   struct tune_state *tune;    /* tune.c: model, overrides, what has been logged */
+  struct workers *workers;    /* workers.c: helper threads, NULL until a big job needs them */
+  int workers_tried;
   conn_t **conns[CHAN_COUNT]; /* [channel][peer], NULL for self */
   struct shm_state *shm;
   struct sock_state *sock;
@@ -414,6 +439,9 @@ const char *algo_name(int id); /* enum algo_id in algo/algo.h */
  * topology is known); a bad CHORUS_ALGO or CHORUS_TUNE_MODEL is CHORUS_ERR_INVALID.
  * tune_fini frees what tune_init made (safe if it never ran). */
 chorus_result_t tune_init(struct chorus_comm *comm);
+/* The same parameter checks alone, before any rank talks to another: every rank then fails
+ * with the parameter's own message, not with the store error of a rank that left first. */
+chorus_result_t tune_check_params(struct chorus_comm *comm);
 void tune_fini(struct chorus_comm *comm);
 chorus_result_t algo_run(struct chorus_comm *comm, struct op *op);
 /* p2p progress (engine.c) */

@@ -158,19 +158,20 @@ static void copy_in(struct dx *x, void *dst, const void *src, size_t count) {
   if (!count) return;
   if (x->op->kind != OP_BROADCAST && x->op->op.kind == CHORUS_PREMUL_SUM &&
       x->op->kind != OP_ALLGATHER && x->op->kind != OP_ALLTOALL)
-    reduce_premul(dst, src, count, x->op->dtype, x->op->op.factor);
+    workers_premul(x->comm, dst, src, count, x->op->dtype, x->op->op.factor);
   else
-    memcpy(dst, src, count * x->es);
+    workers_copy(x->comm, dst, src, count * x->es, 0);
 }
 
 static size_t div_up(size_t a, size_t b) { return (a + b - 1) / b; }
 
 /* Outputs at least this big leave the caches anyway: write them with streaming stores. */
 #define STREAM_MIN_BYTES ((size_t)512 << 10)
-static void copy_out(void *dst, const void *src, size_t n, size_t total) {
-  if (total >= STREAM_MIN_BYTES) copy_stream(dst, src, n);
-  else memcpy(dst, src, n);
+static void copy_out(struct dx *x, void *dst, const void *src, size_t n, size_t total) {
+  workers_copy(x->comm, dst, src, n, total >= STREAM_MIN_BYTES);
 }
+
+static int divisor_of(struct dx *x) { return x->op->op.kind == CHORUS_AVG ? x->n : 1; }
 
 /* ------------------------------------------------------------------ all-reduce */
 static chorus_result_t allreduce(struct chorus_comm *comm, struct op *op, int two) {
@@ -193,10 +194,7 @@ static chorus_result_t allreduce(struct chorus_comm *comm, struct op *op, int tw
     uint8_t *out = (uint8_t *)op->recvbuf + off * x.es;
     if (!two) {
       for (int p = 0; p < x.n; p++) in[p] = scratch_of(&x, p, g);
-      if (cnt) {
-        reduce_n(out, in, x.n, cnt, op->dtype, kind);
-        if (op->op.kind == CHORUS_AVG) reduce_divide(out, cnt, op->dtype, x.n);
-      }
+      if (cnt) workers_reduce(comm, out, in, x.n, cnt, op->dtype, kind, divisor_of(&x));
     } else {
       /* slice p: [p * q, (p + 1) * q) clipped, q rounded up to a cache line */
       size_t q = div_up(div_up(cnt, (size_t)x.n), unit) * unit;
@@ -204,17 +202,14 @@ static chorus_result_t allreduce(struct chorus_comm *comm, struct op *op, int tw
       size_t s1 = s0 + q < cnt ? s0 + q : cnt;
       if (s1 > s0) {
         for (int p = 0; p < x.n; p++) in[p] = scratch_of(&x, p, g) + s0 * x.es;
-        reduce_n(mine + s0 * x.es, in, x.n, s1 - s0, op->dtype, kind);
-        if (op->op.kind == CHORUS_AVG) reduce_divide(mine + s0 * x.es, s1 - s0, op->dtype, x.n);
+        workers_reduce(comm, mine + s0 * x.es, in, x.n, s1 - s0, op->dtype, kind,
+                       divisor_of(&x));
       }
       publish(&x, F_REDUCED, g);
       CHECK(wait_flag(&x, F_REDUCED, g, -1));
-      for (int p = 0; p < x.n; p++) {
-        size_t a = (size_t)p * q < cnt ? (size_t)p * q : cnt, b = a + q < cnt ? a + q : cnt;
-        if (b > a)
-          copy_out(out + a * x.es, scratch_of(&x, p, g) + a * x.es, (b - a) * x.es,
-                   op->count * x.es);
-      }
+      const uint8_t *src[CHORUS_MAX_LOCAL_DIRECT];
+      for (int p = 0; p < x.n; p++) src[p] = scratch_of(&x, p, g);
+      workers_gather(comm, out, src, q * x.es, cnt * x.es, op->count * x.es >= STREAM_MIN_BYTES);
     }
     publish(&x, F_DONE, g);
   }
@@ -247,10 +242,8 @@ chorus_result_t oneshot_reduce(struct chorus_comm *comm, struct op *op) {
       CHECK(wait_flag(&x, F_POSTED, g, -1));
       for (int p = 0; p < x.n; p++) in[p] = scratch_of(&x, p, g);
       uint8_t *out = (uint8_t *)op->recvbuf + off * x.es;
-      if (cnt) {
-        reduce_n(out, in, x.n, cnt, op->dtype, base_op(op->op.kind));
-        if (op->op.kind == CHORUS_AVG) reduce_divide(out, cnt, op->dtype, x.n);
-      }
+      if (cnt)
+        workers_reduce(comm, out, in, x.n, cnt, op->dtype, base_op(op->op.kind), divisor_of(&x));
     }
     publish(&x, F_DONE, g);
   }
@@ -275,7 +268,7 @@ chorus_result_t oneshot_broadcast(struct chorus_comm *comm, struct op *op) {
       publish(&x, F_POSTED, g);
     } else {
       CHECK(wait_flag(&x, F_POSTED, g, root));
-      if (cnt) copy_out(buf, scratch_of(&x, root, g), cnt * x.es, op->count * x.es);
+      if (cnt) copy_out(&x, buf, scratch_of(&x, root, g), cnt * x.es, op->count * x.es);
     }
     publish(&x, F_DONE, g);
   }
@@ -299,7 +292,7 @@ chorus_result_t oneshot_allgatherv(struct chorus_comm *comm, struct op *op) {
     size_t off = k * per;
     size_t myb = op->counts[x.me] * x.es;
     size_t mylen = myb > off ? (myb - off < per ? myb - off : per) : 0;
-    if (mylen) memcpy(mine, src + off, mylen);
+    if (mylen) workers_copy(comm, mine, src + off, mylen, 0);
     publish(&x, F_POSTED, g);
     CHECK(wait_flag(&x, F_POSTED, g, -1));
     for (int p = 0; p < x.n; p++) {
@@ -310,7 +303,7 @@ chorus_result_t oneshot_allgatherv(struct chorus_comm *comm, struct op *op) {
       if (p == x.me) {
         if (dst != src + off) memmove(dst, src + off, len);
       } else {
-        copy_out(dst, scratch_of(&x, p, g), len, op->count * x.es);
+        copy_out(&x, dst, scratch_of(&x, p, g), len, op->count * x.es);
       }
     }
     publish(&x, F_DONE, g);
@@ -361,8 +354,8 @@ chorus_result_t oneshot_reduce_scatterv(struct chorus_comm *comm, struct op *op)
     if (len) {
       for (int p = 0; p < x.n; p++) in[p] = scratch_of(&x, p, g) + (size_t)x.me * h;
       uint8_t *dst = (uint8_t *)op->recvbuf + pos;
-      reduce_n(dst, in, x.n, len / x.es, op->dtype, base_op(op->op.kind));
-      if (op->op.kind == CHORUS_AVG) reduce_divide(dst, len / x.es, op->dtype, x.n);
+      workers_reduce(comm, dst, in, x.n, len / x.es, op->dtype, base_op(op->op.kind),
+                     divisor_of(&x));
     }
     publish(&x, F_DONE, g);
   }
@@ -386,12 +379,13 @@ chorus_result_t oneshot_alltoall(struct chorus_comm *comm, struct op *op) {
     size_t pos = k * h, len = blk > pos ? (blk - pos < h ? blk - pos : h) : 0;
     if (len)
       for (int p = 0; p < x.n; p++)
-        memcpy(mine + (size_t)p * h, (const uint8_t *)op->sendbuf + (size_t)p * blk + pos, len);
+        workers_copy(comm, mine + (size_t)p * h,
+                     (const uint8_t *)op->sendbuf + (size_t)p * blk + pos, len, 0);
     publish(&x, F_POSTED, g);
     CHECK(wait_flag(&x, F_POSTED, g, -1));
     if (len)
       for (int q = 0; q < x.n; q++)
-        copy_out((uint8_t *)op->recvbuf + (size_t)q * blk + pos,
+        copy_out(&x, (uint8_t *)op->recvbuf + (size_t)q * blk + pos,
                  scratch_of(&x, q, g) + (size_t)x.me * h, len, blk * (size_t)x.n);
     publish(&x, F_DONE, g);
   }

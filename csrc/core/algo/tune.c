@@ -703,18 +703,14 @@ static int model_from_params(struct tune_model *m, char *err, size_t cap) {
 }
 
 /* ------------------------------------------------------------------ communicator side */
-chorus_result_t tune_init(struct chorus_comm *comm) {
-  for (int k = 0; k < OP_KIND_COUNT; k++) comm->algo_force[k] = -1;
-  struct tune_state *st = calloc(1, sizeof *st);
-  if (!st) return comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d: out of memory", comm->rank);
-  comm->tune = NULL;
-  topo_of_comm(comm, &st->topo);
+/* CHORUS_TUNE_MODEL and CHORUS_ALGO into st; an error names the variable and the bad token.
+ * warn_too: also log what parses with a warning. */
+static chorus_result_t params_into(struct chorus_comm *comm, struct tune_state *st,
+                                   int warn_too) {
   char err[512];
-  if (model_from_params(&st->model, err, sizeof err) != 0) {
-    free(st);
+  if (model_from_params(&st->model, err, sizeof err) != 0)
     return comm_set_error(comm, CHORUS_ERR_INVALID, "rank %d: CHORUS_TUNE_MODEL=\"%s\": %s",
                           comm->rank, param_str(PARAM_TUNE_MODEL), err);
-  }
   const char *source = "CHORUS_ALGO";
   char value[2];
   chorus_param_value("ALGO", value, sizeof value, &source);
@@ -722,12 +718,33 @@ chorus_result_t tune_init(struct chorus_comm *comm) {
   st->source = source; /* static strings of param.c */
   char warn[256];
   const char *text = param_str(PARAM_ALGO);
-  if (tune_parse_algo(text, &st->force, err, sizeof err, warn, sizeof warn) != 0) {
-    free(st);
+  if (tune_parse_algo(text, &st->force, err, sizeof err, warn, sizeof warn) != 0)
     return comm_set_error(comm, CHORUS_ERR_INVALID, "rank %d: %s=\"%s\": %s", comm->rank,
                           source, text, err);
+  if (warn_too && warn[0]) WARN(comm->rank, "%s=\"%s\": %s", source, text, warn);
+  return CHORUS_SUCCESS;
+}
+
+chorus_result_t tune_check_params(struct chorus_comm *comm) {
+  struct tune_state *st = calloc(1, sizeof *st);
+  if (!st) return comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d: out of memory", comm->rank);
+  chorus_result_t res = params_into(comm, st, 0);
+  free(st);
+  return res;
+}
+
+chorus_result_t tune_init(struct chorus_comm *comm) {
+  for (int k = 0; k < OP_KIND_COUNT; k++) comm->algo_force[k] = -1;
+  struct tune_state *st = calloc(1, sizeof *st);
+  if (!st) return comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d: out of memory", comm->rank);
+  comm->tune = NULL;
+  topo_of_comm(comm, &st->topo);
+  chorus_result_t res = params_into(comm, st, 1);
+  if (res != CHORUS_SUCCESS) {
+    free(st);
+    return res;
   }
-  if (warn[0]) WARN(comm->rank, "%s=\"%s\": %s", source, text, warn);
+  const char *source = st->source, *text = param_str(PARAM_ALGO);
   for (int k = 0; k < OP_KIND_COUNT; k++) comm->algo_force[k] = st->force.force[k];
   comm->tune = st;
   INFO(SUB_TUNE, comm->rank, "tuner: %d ranks, %d host%s, up to %d per host, intra-host %s%s%s",

@@ -1,0 +1,179 @@
+/* test_workers.c - unit tests of the helper threads (workers.c): every element of a split
+ * copy, gather, premultiply and reduction is written exactly once and right, for sizes
+ * around every split boundary and element size; thousands of back-to-back jobs (helpers
+ * spinning) and jobs after the helpers went to sleep; the helper count follows
+ * CHORUS_SHM_THREADS; workers_stop joins every helper (no thread left behind); with one
+ * thread nothing is started. */
+#include <dirent.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "algo/algo.h"
+#include "core.h"
+
+static int checks, failures;
+
+#define EXPECT(cond, ...)                                  \
+  do {                                                     \
+    checks++;                                              \
+    if (!(cond)) {                                         \
+      failures++;                                          \
+      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+      fprintf(stderr, __VA_ARGS__);                        \
+      fputc('\n', stderr);                                 \
+    }                                                      \
+  } while (0)
+
+static int threads_of_process(void) {
+  DIR *d = opendir("/proc/self/task");
+  if (!d) return -1;
+  int n = 0;
+  struct dirent *e;
+  while ((e = readdir(d)))
+    if (e->d_name[0] != '.') n++;
+  closedir(d);
+  return n;
+}
+
+static void comm_with_threads(struct chorus_comm *c, const char *threads) {
+  memset(c, 0, sizeof *c);
+  c->nlocal = 1;
+  setenv("CHORUS_SHM_THREADS", threads, 1);
+  param_reset_cache();
+}
+
+/* A job that counts how often each element is visited. */
+struct visit_job {
+  _Atomic unsigned char *seen;
+};
+static void visit(void *ctx, size_t b, size_t e) {
+  struct visit_job *j = ctx;
+  for (size_t i = b; i < e; i++) atomic_fetch_add(&j->seen[i], 1);
+}
+
+static void test_ranges(struct chorus_comm *c) {
+  const size_t sizes[] = {0, 1, 63, 64, 65, 4096, (128 << 10) - 1, 128 << 10, (128 << 10) + 1,
+                          (256 << 10) + 3, (1 << 20) + 17, 3 << 20};
+  const size_t ess[] = {1, 2, 4, 8};
+  for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++)
+    for (size_t ei = 0; ei < 4; ei++) {
+      size_t n = sizes[si];
+      _Atomic unsigned char *seen = calloc(n + 1, 1);
+      if (!seen) exit(2);
+      struct visit_job j = {seen};
+      workers_for(c, n, ess[ei], visit, &j);
+      size_t bad = 0;
+      for (size_t i = 0; i < n; i++) bad += seen[i] != 1;
+      EXPECT(bad == 0 && seen[n] == 0, "%zu elements of %zu bytes: %zu visited != once", n,
+             ess[ei], bad);
+      free(seen);
+    }
+}
+
+static void test_jobs(struct chorus_comm *c) {
+  const size_t big = (3 << 20) + 40; /* bytes */
+  uint8_t *src = malloc(big), *dst = malloc(big);
+  float *a = malloc(big), *b = malloc(big), *o = malloc(big);
+  if (!src || !dst || !a || !b || !o) exit(2);
+  for (size_t i = 0; i < big; i++) src[i] = (uint8_t)(i * 131 + 7);
+  const size_t lens[] = {100, 200 << 10, (1 << 20) + 5, big};
+  for (int stream = 0; stream < 2; stream++)
+    for (size_t li = 0; li < 4; li++) {
+      memset(dst, 0, big);
+      workers_copy(c, dst, src, lens[li], stream);
+      EXPECT(memcmp(dst, src, lens[li]) == 0 && (lens[li] == big || dst[lens[li]] == 0),
+             "copy of %zu bytes (stream %d)", lens[li], stream);
+    }
+  /* gather: slice p of the output from buffer p */
+  const uint8_t *bufs[4];
+  uint8_t *parts[4];
+  for (int p = 0; p < 4; p++) {
+    parts[p] = malloc(big);
+    if (!parts[p]) exit(2);
+    memset(parts[p], 0x10 + p, big);
+    bufs[p] = parts[p];
+  }
+  size_t slice = (big + 3) / 4;
+  slice += 64 - slice % 64;
+  workers_gather(c, dst, bufs, slice, big, 1);
+  size_t bad = 0;
+  for (size_t i = 0; i < big; i++) bad += dst[i] != 0x10 + i / slice;
+  EXPECT(bad == 0, "gather: %zu bytes wrong", bad);
+  for (int p = 0; p < 4; p++) free(parts[p]);
+
+  /* reductions: sum and average of two float inputs, exact values */
+  size_t n = big / sizeof(float);
+  for (size_t i = 0; i < n; i++) {
+    a[i] = (float)(i % 1000);
+    b[i] = (float)(2 * (i % 77));
+  }
+  const void *in[2] = {a, b};
+  workers_reduce(c, o, in, 2, n, CHORUS_FLOAT32, CHORUS_SUM, 1);
+  bad = 0;
+  for (size_t i = 0; i < n; i++) bad += o[i] != a[i] + b[i];
+  EXPECT(bad == 0, "sum: %zu wrong", bad);
+  workers_reduce(c, o, in, 2, n, CHORUS_FLOAT32, CHORUS_SUM, 2);
+  bad = 0;
+  for (size_t i = 0; i < n; i++) bad += o[i] != (a[i] + b[i]) / 2;
+  EXPECT(bad == 0, "average: %zu wrong", bad);
+  workers_premul(c, o, a, n, CHORUS_FLOAT32, 0.5);
+  bad = 0;
+  for (size_t i = 0; i < n; i++) bad += o[i] != a[i] * 0.5f;
+  EXPECT(bad == 0, "premul: %zu wrong", bad);
+
+  /* many back-to-back jobs, then one after the helpers have gone to sleep */
+  bad = 0;
+  for (int r = 0; r < 3000; r++) {
+    size_t len = (size_t)(256 << 10) + (size_t)r * 64;
+    src[0] = (uint8_t)r;
+    workers_copy(c, dst, src, len, r & 1);
+    bad += memcmp(dst, src, len) != 0;
+  }
+  EXPECT(bad == 0, "%zu of 3000 back-to-back copies wrong", bad);
+  usleep(50000);
+  src[1] ^= 0xff;
+  workers_copy(c, dst, src, big, 0);
+  EXPECT(memcmp(dst, src, big) == 0, "copy after the helpers slept");
+  free(src);
+  free(dst);
+  free(a);
+  free(b);
+  free(o);
+}
+
+int main(void) {
+  setenv("CHORUS_DEBUG", "WARN", 1);
+  int base = threads_of_process();
+  struct chorus_comm c;
+
+  comm_with_threads(&c, "4");
+  test_ranges(&c);
+  test_jobs(&c);
+  EXPECT(c.workers != NULL, "CHORUS_SHM_THREADS=4 started no helper");
+  EXPECT(threads_of_process() == base + 3, "4 threads per rank: %d threads, expected %d",
+         threads_of_process(), base + 3);
+  workers_stop(&c);
+  EXPECT(c.workers == NULL && threads_of_process() == base,
+         "after workers_stop: %d threads, expected %d", threads_of_process(), base);
+
+  comm_with_threads(&c, "1");
+  test_ranges(&c);
+  test_jobs(&c);
+  EXPECT(c.workers == NULL && threads_of_process() == base,
+         "CHORUS_SHM_THREADS=1 started helpers (%d threads)", threads_of_process());
+  workers_stop(&c);
+
+  comm_with_threads(&c, "2");
+  test_jobs(&c);
+  EXPECT(threads_of_process() == base + 1, "2 threads: %d, expected %d", threads_of_process(),
+         base + 1);
+  workers_stop(&c);
+  workers_stop(&c); /* twice is harmless */
+
+  unsetenv("CHORUS_SHM_THREADS");
+  param_reset_cache();
+  printf("test_workers: %d checks, %d failed\n", checks, failures);
+  return failures ? 1 : 0;
+}
