@@ -198,6 +198,15 @@ struct transport_ops {
   /* For poll(): fill *pfd and return 1, or return 0 if this transport has no fd. */
   int (*pollfd)(conn_t *c, struct pollfd *pfd);
   void (*close)(conn_t *c);
+  /* Optional (NULL where a transport has none), for big payloads without the rings' copy:
+   * write_direct sends what the outgoing ring still holds and then up to n bytes of src in
+   * one system call (*wrote: bytes of src sent); read_direct, only when no received byte is
+   * buffered, receives up to n bytes of the stream straight into dst, and what follows
+   * them into the ring (*got: bytes of dst filled). Both set *progressed when any byte
+   * moved, and leave the connection polled for the direction they still need. */
+  chorus_result_t (*write_direct)(conn_t *c, const void *src, size_t n, size_t *wrote,
+                                  int *progressed);
+  chorus_result_t (*read_direct)(conn_t *c, void *dst, size_t n, size_t *got, int *progressed);
 };
 struct conn {
   const struct transport_ops *ops;
@@ -411,6 +420,7 @@ struct msg_tx {
   const uint8_t *buf;
   size_t len, pos;           /* pos counts header + payload + padding bytes written */
   int done;
+  int direct;                /* the payload goes by write_direct, to its end */
 };
 struct msg_rx {
   conn_t *c;
@@ -419,6 +429,7 @@ struct msg_rx {
   size_t hdr_pos;
   size_t len, pos;           /* payload bytes expected / consumed */
   int hdr_ok, done;
+  int direct;                /* the payload comes by read_direct, to its end */
 };
 void msg_tx_init(struct msg_tx *tx, conn_t *c, const struct op *op, const void *buf, size_t len);
 void msg_rx_init(struct msg_rx *rx, conn_t *c, const struct op *op, size_t len);

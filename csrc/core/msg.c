@@ -8,6 +8,9 @@
 #include "core.h"
 
 #define PAD16(x) (((x) + 15u) & ~(size_t)15u)
+/* Payload left to move at or above which a transport's direct path is used (it saves a
+ * copy through the ring but costs a system call for whatever arrives). */
+#define DIRECT_MIN ((size_t)64 << 10)
 
 static void fill_hdr(struct msg_hdr *h, const struct op *op, size_t len) {
   memset(h, 0, sizeof(*h));
@@ -64,7 +67,14 @@ chorus_result_t msg_tx_progress(struct msg_tx *tx, int *progressed) {
     if (tx->pos < hl) {
       CHECK(stream_write(tx->c, (const uint8_t *)&tx->hdr + tx->pos, hl - tx->pos, &w));
     } else if (tx->pos < hl + tx->len) {
-      CHECK(stream_write(tx->c, tx->buf + (tx->pos - hl), hl + tx->len - tx->pos, &w));
+      size_t rem = hl + tx->len - tx->pos;
+      /* once direct, direct to the end: the transport polls for it until then */
+      if ((rem >= DIRECT_MIN || tx->direct) && tx->c->ops->write_direct) {
+        tx->direct = 1;
+        CHECK(tx->c->ops->write_direct(tx->c, tx->buf + (tx->pos - hl), rem, &w, progressed));
+      } else {
+        CHECK(stream_write(tx->c, tx->buf + (tx->pos - hl), rem, &w));
+      }
     } else {
       CHECK(stream_write(tx->c, NULL, total - tx->pos, &w));
     }
@@ -195,7 +205,18 @@ chorus_result_t msg_rx_copy(struct msg_rx *rx, void *dst, int *progressed) {
       *progressed = 1;
       break;
     }
-    if (n == 0) break;
+    if (n == 0) {
+      size_t rem = rx->hdr_ok && rx->pos < rx->len ? rx->len - rx->pos : 0;
+      /* once direct, direct to the end: the transport leaves the bytes to it until then */
+      if (!rem || (rem < DIRECT_MIN && !rx->direct) || !rx->c->ops->read_direct) break;
+      rx->direct = 1;
+      size_t got = 0;
+      CHECK(rx->c->ops->read_direct(rx->c, (uint8_t *)dst + rx->pos, rem, &got, progressed));
+      if (got == 0) break;
+      rx->pos += got;
+      if (rx->pos >= rx->len) CHECK(finish_payload(rx));
+      continue;
+    }
     memcpy((uint8_t *)dst + rx->pos, p, n);
     CHECK(msg_rx_consume(rx, n));
     *progressed = 1;

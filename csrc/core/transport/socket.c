@@ -60,6 +60,8 @@ struct sock_conn {
   int eof;                   /* recv() returned 0 */
   int starving;              /* the last peek found nothing: the reader wants bytes */
   int awaiting_ack;          /* connector side, until the acceptor's ack is read */
+  int direct_tx;             /* a direct write is unfinished: poll for POLLOUT */
+  int direct_rx;             /* a direct read is unfinished: progress leaves recv to it */
   chorus_result_t err;       /* sticky: reported once through comm_set_error */
   char peer_addr[ADDR_LEN + 80]; /* for messages: advertised address and host name */
 };
@@ -388,7 +390,7 @@ static chorus_result_t sock_progress(conn_t *c, int *progressed) {
     }
   }
 
-  if (!s->eof) {
+  if (!s->eof && !(s->direct_rx && s->rx_head == s->rx_tail)) {
     /* Restart an empty ring near offset 0 but keep index == stream position mod 16: the
      * ring end must stay a 16-byte boundary of the stream so no element straddles it. */
     if (s->rx_head == s->rx_tail) s->rx_head = s->rx_tail = s->rx_tail % 16;
@@ -425,8 +427,82 @@ static int sock_pollfd(conn_t *c, struct pollfd *pfd) {
   pfd->revents = 0;
   /* After EOF, POLLIN would spin; but a starving reader must wake to see the error. */
   if (s->eof ? s->starving : s->rx_tail - s->rx_head < s->size) pfd->events |= POLLIN;
-  if (s->tx_tail != s->tx_head) pfd->events |= POLLOUT;
+  if (s->tx_tail != s->tx_head || s->direct_tx) pfd->events |= POLLOUT;
   return 1;
+}
+
+static chorus_result_t sock_write_direct(conn_t *c, const void *src, size_t n, size_t *wrote,
+                                         int *progressed) {
+  struct sock_conn *s = (struct sock_conn *)c;
+  *wrote = 0;
+  if (s->err) return s->err;
+  struct iovec iov[3];
+  size_t pending = (size_t)(s->tx_tail - s->tx_head);
+  int k = pending ? ring_iov(s->tx, s->size, s->tx_head, pending, iov) : 0;
+  iov[k].iov_base = (void *)src;
+  iov[k].iov_len = n;
+  struct msghdr mh = {0};
+  mh.msg_iov = iov;
+  mh.msg_iovlen = (size_t)k + 1;
+  ssize_t r = sendmsg(s->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (r < 0) {
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+      return conn_fail(s, errno, "send");
+    r = 0;
+  }
+  if ((size_t)r <= pending) {
+    s->tx_head += (uint64_t)r;
+  } else {
+    /* the ring is empty and the stream moved on by the direct bytes: positions follow */
+    *wrote = (size_t)r - pending;
+    s->tx_head = s->tx_tail = s->tx_tail + *wrote;
+  }
+  if (r > 0) *progressed = 1;
+  s->direct_tx = *wrote < n;
+  return CHORUS_SUCCESS;
+}
+
+static chorus_result_t sock_read_direct(conn_t *c, void *dst, size_t n, size_t *got,
+                                        int *progressed) {
+  struct sock_conn *s = (struct sock_conn *)c;
+  *got = 0;
+  if (s->err) return s->err;
+  if (s->rx_tail != s->rx_head) return CHORUS_SUCCESS; /* buffered bytes come first */
+  if (s->eof) {
+    s->starving = 1;
+    return conn_fail(s, 0, "recv");
+  }
+  /* dst first, then the whole (empty) ring from the stream position after dst */
+  struct iovec iov[3];
+  iov[0].iov_base = dst;
+  iov[0].iov_len = n;
+  int k = ring_iov(s->rx, s->size, s->rx_tail + n, s->size, iov + 1);
+  struct msghdr mh = {0};
+  mh.msg_iov = iov;
+  mh.msg_iovlen = (size_t)k + 1;
+  ssize_t r = recvmsg(s->fd, &mh, MSG_DONTWAIT);
+  if (r == 0) {
+    s->eof = 1;
+    s->starving = 1;
+    return conn_fail(s, 0, "recv");
+  }
+  if (r < 0) {
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+      return conn_fail(s, errno, "recv");
+    r = 0;
+  }
+  if ((size_t)r <= n) {
+    *got = (size_t)r;
+    s->rx_head = s->rx_tail = s->rx_tail + (uint64_t)r;
+  } else {
+    *got = n;
+    s->rx_head = s->rx_tail + n;
+    s->rx_tail += (uint64_t)r;
+  }
+  if (r > 0) *progressed = 1;
+  s->direct_rx = *got < n;
+  s->starving = *got < n;
+  return CHORUS_SUCCESS;
 }
 
 /* Frees the connection itself too: the caller must drop its pointer. */
@@ -450,6 +526,8 @@ static const struct transport_ops sock_ops = {
     .progress = sock_progress,
     .pollfd = sock_pollfd,
     .close = sock_close,
+    .write_direct = sock_write_direct,
+    .read_direct = sock_read_direct,
 };
 
 /* ------------------------------------------------------------ listen */
