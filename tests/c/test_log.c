@@ -11,18 +11,7 @@
 
 #include "core.h"
 
-static int checks, failures;
-
-#define EXPECT(cond, ...)                                      \
-  do {                                                         \
-    checks++;                                                  \
-    if (!(cond)) {                                             \
-      failures++;                                              \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);     \
-      fprintf(stderr, __VA_ARGS__);                            \
-      fputc('\n', stderr);                                     \
-    }                                                          \
-  } while (0)
+#include "expect.h"
 
 static char tmpdir[] = "/tmp/chorus_test_log_XXXXXX";
 

@@ -9,18 +9,7 @@
 
 #include "core.h"
 
-static int checks, failures;
-
-#define EXPECT(cond, ...)                                      \
-  do {                                                         \
-    checks++;                                                  \
-    if (!(cond)) {                                             \
-      failures++;                                              \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);     \
-      fprintf(stderr, __VA_ARGS__);                            \
-      fputc('\n', stderr);                                     \
-    }                                                          \
-  } while (0)
+#include "expect.h"
 
 /* ------------------------------------------------------------------ parsers */
 typedef int (*parser_fn)(const char *, int64_t *);

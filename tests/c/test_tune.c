@@ -10,18 +10,7 @@
 
 #include "algo/tune.h"
 
-static int checks, failures;
-
-#define EXPECT(cond, ...)                                      \
-  do {                                                         \
-    checks++;                                                  \
-    if (!(cond)) {                                             \
-      failures++;                                              \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);     \
-      fprintf(stderr, __VA_ARGS__);                            \
-      fputc('\n', stderr);                                     \
-    }                                                          \
-  } while (0)
+#include "expect.h"
 
 #define BIT(id) (1u << (id))
 #define ALL ((1u << ALGO_COUNT) - 1)

@@ -13,18 +13,7 @@
 #include "algo/algo.h"
 #include "core.h"
 
-static int checks, failures;
-
-#define EXPECT(cond, ...)                                  \
-  do {                                                     \
-    checks++;                                              \
-    if (!(cond)) {                                         \
-      failures++;                                          \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                        \
-      fputc('\n', stderr);                                 \
-    }                                                      \
-  } while (0)
+#include "expect.h"
 
 static int threads_of_process(void) {
   DIR *d = opendir("/proc/self/task");

@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""Markdown tables for docs/PERFORMANCE.md from the JSON records that tools/perf_cpu.sh
+writes (python -m chorus.bench --compare gloo --json).
+
+Usage: python3 tools/perf_table.py DIR [NAME ...]   (default names: all_reduce others socket)
+
+For every collective in a file: one row per size with chorus's and gloo's time (out-of-place
+and in-place, microseconds), the speed-up (gloo time / chorus time; with equal bytes this is
+also the busbw ratio) and chorus's in-place busbw. Sizes with a speed-up below 1 are marked.
+"""
+import json
+import os
+import sys
+
+
+def human(n):
+    for unit, k in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= k and n % k == 0:
+            return f"{n // k}{unit}"
+    return str(n)
+
+
+def table(records):
+    by = {}
+    for r in records:
+        if r.get("backend") not in ("chorus", "gloo"):
+            continue
+        by.setdefault(r["op"], {})[(r["backend"], r["bytes"], bool(r["inplace"]))] = r
+    out = []
+    for op, rows in by.items():
+        sizes = sorted({b for (_, b, _) in rows})
+        out.append(f"**{op}**\n")
+        out.append("| size | chorus us | gloo us | speed-up | chorus us (in-place) | "
+                   "gloo us (in-place) | speed-up (in-place) | chorus busbw GB/s |")
+        out.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for b in sizes:
+            cells = [human(b)]
+            for ip in (False, True):
+                c, g = rows.get(("chorus", b, ip)), rows.get(("gloo", b, ip))
+                if not c or not g or c.get("time_us") is None or g.get("time_us") is None:
+                    cells += ["n/a", "n/a", "-"]
+                    continue
+                x = g["time_us"] / c["time_us"]
+                mark = " (slower)" if x < 1 else ""
+                cells += [f"{c['time_us']:.1f}", f"{g['time_us']:.1f}", f"{x:.2f}x{mark}"]
+            c = rows.get(("chorus", b, True)) or rows.get(("chorus", b, False))
+            cells.append(f"{c['busbw_gbps']:.2f}" if c and c.get("busbw_gbps") is not None
+                         else "n/a")
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv):
+    if not argv:
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    d, names = argv[0], argv[1:] or ["all_reduce", "others", "socket"]
+    for name in names:
+        path = os.path.join(d, name + ".json")
+        with open(path) as f:
+            records = json.load(f)
+        mem = [r for r in records if r.get("op") == "memcpy"]
+        print(f"### {name}\n")
+        if mem:
+            print(f"memcpy (1 core): {mem[0]['busbw_gbps']:.2f} GB/s\n")
+        print(table(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
