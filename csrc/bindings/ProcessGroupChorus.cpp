@@ -246,6 +246,10 @@ void checkPeer(int peer, int rank, int size, const char* op) {
   TORCH_CHECK(peer != rank, "chorus: ", op, ": peer rank ", peer, " is this rank itself");
 }
 
+void checkTag(int tag, const char* op) {
+  TORCH_CHECK(tag >= 0, "chorus: ", op, ": invalid tag ", tag, " (tags are non-negative)");
+}
+
 // Issues one core call's result into the work: throws (with the communicator's error text)
 // if the core refused it.
 void addOrThrow(chorus_comm_t* comm, WorkChorus& w, chorus_result_t res, chorus_request_t* req,
@@ -1407,6 +1411,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::send(std::vector<at::Tensor>&
   checkOne(tensors, op, "");
   Checker{op}(tensors[0]);
   checkPeer(dst_rank, rank_, size_, op);
+  checkTag(tag, op);
   auto work = newWork(OpType::SEND, "chorus:send", op, tensors);
   at::Tensor buf = contiguousIn(tensors[0], *work);
   return launch(work, [&](chorus_comm_t* c, WorkChorus& w) {
@@ -1423,6 +1428,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::recv(std::vector<at::Tensor>&
   checkOne(tensors, op, "");
   Checker{op}(tensors[0]);
   checkPeer(src_rank, rank_, size_, op);
+  checkTag(tag, op);
   auto work = newWork(OpType::RECV, "chorus:recv", op, tensors);
   at::Tensor buf = contiguousOut(tensors[0], *work, false);
   return launch(work, [&](chorus_comm_t* c, WorkChorus& w) {
@@ -1439,6 +1445,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::recvAnysource(std::vector<at:
   checkOne(tensors, op, "");
   Checker{op}(tensors[0]);
   TORCH_CHECK(size_ > 1, "chorus: recv from any source needs a group of at least 2 ranks");
+  checkTag(tag, op);
   auto work = newWork(OpType::RECVANYSOURCE, "chorus:recv_anysource", op, tensors);
   work->setAnySource();
   at::Tensor buf = contiguousOut(tensors[0], *work, false);
