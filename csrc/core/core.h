@@ -268,6 +268,10 @@ chorus_result_t socket_listen(struct chorus_comm *comm, struct peer_info *info);
  * and p != rank, authenticating with comm->secret; closes the listener afterwards. */
 chorus_result_t socket_connect_all(struct chorus_comm *comm);
 void socket_teardown(struct chorus_comm *comm);
+/* After this rank's communicator failed (engine thread): publishes the error in the store
+ * (key failure/<rank>) and resets every socket connection, so that peers blocked on other
+ * ranks fail at once with this rank's reason instead of at their timeout. Once. */
+void socket_abort_conns(struct chorus_comm *comm);
 
 /* ------------------------------------------------------ bootstrap (bootstrap.c) */
 /* Key/value helpers that prefix keys with comm->prefix. */

@@ -453,7 +453,10 @@ static void *engine_main(void *arg) {
     int stopping = atomic_load(&comm->stop);
     pthread_mutex_unlock(&comm->mu);
 
-    if (atomic_load(&comm->failed)) p2p_fail_all(comm, failed_result(comm));
+    if (atomic_load(&comm->failed)) {
+      socket_abort_conns(comm); /* peers waiting on other ranks learn it now */
+      p2p_fail_all(comm, failed_result(comm));
+    }
     if (op) {
       chorus_result_t res;
       if (atomic_load(&comm->failed)) {

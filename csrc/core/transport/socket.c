@@ -30,6 +30,7 @@
 #define ACK_LEN 16                /* magic, version, rank, channel */
 #define HELLO_WAIT_MS 5000        /* a silent stranger is dropped after this */
 #define MAX_PENDING 256           /* accepted sockets still owing their hello */
+#define FAILURE_WAIT_MS 300       /* how long a reset connection looks for the peer's reason */
 #define REFUSED_RETRY_MS 5000     /* the peer listens before the all-gather; refusals are
                                      retried only briefly (e.g. SYN races), not forever */
 #define RING_MIN (64u << 10)
@@ -44,6 +45,7 @@ union sockaddr_any {
 
 struct sock_state {
   int listen_fd;             /* -1 once closed */
+  int aborted;               /* socket_abort_conns ran */
   int family;                /* AF_INET for now; AF_INET6 fits the same code paths */
   uint16_t port;
   char addr[ADDR_LEN];       /* advertised "ip:port" */
@@ -291,6 +293,23 @@ static chorus_result_t conn_fail(struct sock_conn *s, int err, const char *what)
   int peer = s->base.peer;
   if (s->err) return s->err;
   if (err == 0 || err == ECONNRESET || err == EPIPE || err == ECONNABORTED) {
+    /* A peer whose communicator failed published why before resetting its connections
+     * (socket_abort_conns); a peer that died published nothing: the short wait is all that
+     * costs. */
+    char key[300], why[700];
+    size_t got = 0;
+    snprintf(key, sizeof key, "%s/failure/%d", comm->prefix, peer);
+    if (comm->bs.get &&
+        comm->bs.get(comm->bs.ctx, key, why, sizeof why - 1, &got, FAILURE_WAIT_MS) ==
+            CHORUS_SUCCESS &&
+        got > 0) {
+      why[got < sizeof why ? got : sizeof why - 1] = 0;
+      s->err = comm_set_error(comm, CHORUS_ERR_PEER,
+                              "rank %d peer %d (socket, %s channel): rank %d reported a "
+                              "failure: %s", comm->rank, peer, chan_name(s->base.channel),
+                              peer, why);
+      return s->err;
+    }
     s->err = comm_set_error(comm, CHORUS_ERR_PEER,
                             "rank %d peer %d (socket, %s channel): connection to rank %d (%s) "
                             "closed: peer process exited or failed%s%s%s",
@@ -963,6 +982,40 @@ done:
     st->listen_fd = -1;
   }
   return res;
+}
+
+void socket_abort_conns(struct chorus_comm *comm) {
+  if (!comm->sock || comm->sock->aborted) return;
+  comm->sock->aborted = 1;
+  int any = 0;
+  for (int ch = 0; ch < CHAN_COUNT; ch++)
+    for (int p = 0; comm->conns[ch] && p < comm->nranks; p++)
+      if (comm->conns[ch][p] && comm->conns[ch][p]->ops == &sock_ops) any = 1;
+  if (!any) return;
+  char key[300], msg[700];
+  pthread_mutex_lock(&comm->err_mu);
+  snprintf(msg, sizeof msg, "%.600s", comm->errbuf[0] ? comm->errbuf : "communicator failed");
+  chorus_result_t err = comm->err ? comm->err : CHORUS_ERR_PEER;
+  pthread_mutex_unlock(&comm->err_mu);
+  snprintf(key, sizeof key, "%s/failure/%d", comm->prefix, comm->rank);
+  if (comm->bs.set && comm->bs.set(comm->bs.ctx, key, msg, strlen(msg)) != CHORUS_SUCCESS)
+    INFO(SUB_NET, comm->rank, "socket: could not publish the failure in the store");
+  for (int ch = 0; ch < CHAN_COUNT; ch++) {
+    for (int p = 0; comm->conns[ch] && p < comm->nranks; p++) {
+      conn_t *c = comm->conns[ch][p];
+      if (!c || c->ops != &sock_ops) continue;
+      struct sock_conn *s = (struct sock_conn *)c;
+      if (s->fd < 0) continue;
+      /* linger 0: close sends a reset, which the peer's next recv reports at once */
+      struct linger l = {1, 0};
+      if (setsockopt(s->fd, SOL_SOCKET, SO_LINGER, &l, sizeof l) != 0)
+        TRACE(SUB_NET, comm->rank, "socket: SO_LINGER: %s", strerror(errno));
+      if (close(s->fd) != 0) TRACE(SUB_NET, comm->rank, "socket: close: %s", strerror(errno));
+      s->fd = -1;
+      if (!s->err) s->err = err;
+    }
+  }
+  INFO(SUB_NET, comm->rank, "socket: connections reset after the failure: %s", msg);
 }
 
 void socket_teardown(struct chorus_comm *comm) {
