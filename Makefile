@@ -4,6 +4,8 @@
 #   make demo    4-rank DDP training with chorus, then gloo; compares them
 #   make test    C unit tests, then the whole pytest suite (installs matplotlib if missing)
 #   make ctest   C unit tests only
+#   make fuzz    libFuzzer targets (tests/fuzz: wire headers, parameters), FUZZ_SECONDS
+#                (60) each; needs clang
 #   make clean   build outputs (keeps .venv); make distclean also removes .venv
 # CHORUS_TEST_BACKEND=gloo make test runs the suite against gloo (validates the harness).
 
@@ -24,7 +26,7 @@ BUILD_INPUTS := $(shell find csrc python -type f \( -name '*.c' -o -name '*.h' -
                   -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py' \) 2>/dev/null) \
                 $(wildcard setup.py pyproject.toml setup.cfg MANIFEST.in)
 
-.PHONY: all demo test ctest pytest deps build clean distclean readme-params
+.PHONY: all demo test ctest fuzz pytest deps build clean distclean readme-params
 
 all: build
 
@@ -61,6 +63,10 @@ demo: $(BUILD_STAMP)
 ctest:
 	$(MAKE) -C tests/c
 
+FUZZ_SECONDS ?= 60
+fuzz:
+	$(MAKE) -C tests/fuzz fuzz FUZZ_SECONDS=$(FUZZ_SECONDS)
+
 pytest: $(BUILD_STAMP) $(TEST_DEPS_STAMP)
 	$(PY) -m pytest -q tests
 
@@ -76,6 +82,7 @@ clean:
 	rm -rf build dist *.egg-info python/*.egg-info .pytest_cache $(BUILD_STAMP)
 	find . -name __pycache__ -type d -not -path './$(VENV)/*' -prune -exec rm -rf {} +
 	-$(MAKE) -C tests/c clean
+	-$(MAKE) -C tests/fuzz clean
 
 distclean: clean
 	rm -rf $(VENV)

@@ -272,6 +272,15 @@ void socket_teardown(struct chorus_comm *comm);
  * (key failure/<rank>) and resets every socket connection, so that peers blocked on other
  * ranks fail at once with this rank's reason instead of at their timeout. Once. */
 void socket_abort_conns(struct chorus_comm *comm);
+/* Connection setup messages (exposed for tests/fuzz/fuzz_wire.c). The acceptor checks a
+ * complete hello (SOCK_HELLO_LEN bytes at h) against comm: NULL if acceptable, else the
+ * reason (static text, or written into why). The connector checks the ack of peer on
+ * channel (SOCK_ACK_LEN bytes): 1 if it is right. */
+#define SOCK_HELLO_LEN 52
+#define SOCK_ACK_LEN 16
+const char *socket_hello_problem(struct chorus_comm *comm, const uint8_t *h, char *why,
+                                 size_t cap);
+int socket_ack_ok(const uint8_t *ack, int peer, int channel);
 
 /* ------------------------------------------------------ bootstrap (bootstrap.c) */
 /* Key/value helpers that prefix keys with comm->prefix. */

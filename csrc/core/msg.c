@@ -147,7 +147,7 @@ chorus_result_t msg_rx_header(struct msg_rx *rx, int *ready) {
 /* Skips the padding after the payload once it has all been consumed. */
 static chorus_result_t finish_payload(struct msg_rx *rx) {
   conn_t *c = rx->c;
-  size_t pad = PAD16(rx->len) - rx->len;
+  size_t pad = PAD16(rx->len) - rx->pos; /* less what an earlier call skipped */
   while (pad > 0) {
     const void *p;
     size_t avail;

@@ -26,8 +26,8 @@
 #define HELLO_MAGIC 0x43534b48u   /* "CSKH": connector -> acceptor */
 #define ACK_MAGIC 0x43534b41u     /* "CSKA": acceptor -> connector */
 #define SOCK_VERSION 1u
-#define HELLO_LEN 52              /* magic, version, secret[32], rank, channel, nranks */
-#define ACK_LEN 16                /* magic, version, rank, channel */
+#define HELLO_LEN SOCK_HELLO_LEN  /* magic, version, secret[32], rank, channel, nranks */
+#define ACK_LEN SOCK_ACK_LEN      /* magic, version, rank, channel */
 #define HELLO_WAIT_MS 5000        /* a silent stranger is dropped after this */
 #define MAX_PENDING 256           /* accepted sockets still owing their hello */
 #define FAILURE_WAIT_MS 300       /* how long a reset connection looks for the peer's reason */
@@ -708,6 +708,11 @@ static chorus_result_t connect_one(struct chorus_comm *comm, int p, int ch, int6
   return CHORUS_SUCCESS;
 }
 
+int socket_ack_ok(const uint8_t *ack, int peer, int channel) {
+  return get32(ack) == ACK_MAGIC && get32(ack + 4) == SOCK_VERSION &&
+         get32(ack + 8) == (uint32_t)peer && get32(ack + 12) == (uint32_t)channel;
+}
+
 /* Reads exactly the ack (never more: data may follow right behind it). */
 static chorus_result_t wait_ack(struct sock_conn *s, int64_t deadline) {
   struct chorus_comm *comm = s->base.comm;
@@ -724,8 +729,7 @@ static chorus_result_t wait_ack(struct sock_conn *s, int64_t deadline) {
                           "job, communicator or version?) or exited", comm->rank, p, p,
                           s->peer_addr, chan_name(s->base.channel),
                           err > 0 ? strerror(err) : "EOF");
-  if (get32(ack) != ACK_MAGIC || get32(ack + 4) != SOCK_VERSION ||
-      get32(ack + 8) != (uint32_t)p || get32(ack + 12) != (uint32_t)s->base.channel)
+  if (!socket_ack_ok(ack, p, s->base.channel))
     return comm_set_error(comm, CHORUS_ERR_PEER, "rank %d peer %d: bad connection ack from "
                           "%s", comm->rank, p, s->peer_addr);
   s->awaiting_ack = 0;
@@ -749,7 +753,7 @@ static void reject(struct chorus_comm *comm, struct pending *pd, const char *why
 }
 
 /* Validates a complete hello; returns NULL if acceptable, else the reason. */
-static const char *hello_problem(struct chorus_comm *comm, const uint8_t *h, char *why,
+const char *socket_hello_problem(struct chorus_comm *comm, const uint8_t *h, char *why,
                                  size_t cap) {
   if (get32(h) != HELLO_MAGIC) return "bad magic (not a chorus peer)";
   if (get32(h + 4) != SOCK_VERSION) {
@@ -783,7 +787,7 @@ static const char *hello_problem(struct chorus_comm *comm, const uint8_t *h, cha
 /* The hello of pd is complete: validate, ack, install. Returns 1 if installed. */
 static int hello_done(struct chorus_comm *comm, struct pending *pd, chorus_result_t *res) {
   char why[160];
-  const char *bad = hello_problem(comm, pd->buf, why, sizeof why);
+  const char *bad = socket_hello_problem(comm, pd->buf, why, sizeof why);
   if (bad) {
     reject(comm, pd, bad);
     return 0;
