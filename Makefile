@@ -4,6 +4,8 @@
 #   make demo    4-rank DDP training with chorus, then gloo; compares them
 #   make test    C unit tests, then the whole pytest suite (installs matplotlib if missing)
 #   make ctest   C unit tests only
+#   make asan / make tsan / make valgrind   C unit tests under ASan+UBSan, TSan, memcheck
+#                (see tests/c/Makefile)
 #   make clean   build outputs (keeps .venv); make distclean also removes .venv
 # CHORUS_TEST_BACKEND=gloo make test runs the suite against gloo (validates the harness).
 
@@ -24,7 +26,7 @@ BUILD_INPUTS := $(shell find csrc python -type f \( -name '*.c' -o -name '*.h' -
                   -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py' \) 2>/dev/null) \
                 $(wildcard setup.py pyproject.toml setup.cfg MANIFEST.in)
 
-.PHONY: all demo test ctest pytest deps build clean distclean readme-params
+.PHONY: all demo test ctest asan tsan valgrind pytest deps build clean distclean readme-params
 
 all: build
 
@@ -60,6 +62,9 @@ demo: $(BUILD_STAMP)
 
 ctest:
 	$(MAKE) -C tests/c
+
+asan tsan valgrind:
+	$(MAKE) -C tests/c $@
 
 pytest: $(BUILD_STAMP) $(TEST_DEPS_STAMP)
 	$(PY) -m pytest -q tests
