@@ -6,6 +6,8 @@
 #   make ctest   C unit tests only
 #   make fuzz    libFuzzer targets (tests/fuzz: wire headers, parameters), FUZZ_SECONDS
 #                (60) each; needs clang
+#   make asan / make tsan / make valgrind   C unit tests under ASan+UBSan, TSan, memcheck
+#                (see tests/c/Makefile)
 #   make clean   build outputs (keeps .venv); make distclean also removes .venv
 # CHORUS_TEST_BACKEND=gloo make test runs the suite against gloo (validates the harness).
 
@@ -26,7 +28,7 @@ BUILD_INPUTS := $(shell find csrc python -type f \( -name '*.c' -o -name '*.h' -
                   -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py' \) 2>/dev/null) \
                 $(wildcard setup.py pyproject.toml setup.cfg MANIFEST.in)
 
-.PHONY: all demo test ctest fuzz pytest deps build clean distclean readme-params
+.PHONY: all demo test ctest fuzz asan tsan valgrind pytest deps build clean distclean readme-params
 
 all: build
 
@@ -66,6 +68,8 @@ ctest:
 FUZZ_SECONDS ?= 60
 fuzz:
 	$(MAKE) -C tests/fuzz fuzz FUZZ_SECONDS=$(FUZZ_SECONDS)
+asan tsan valgrind:
+	$(MAKE) -C tests/c $@
 
 pytest: $(BUILD_STAMP) $(TEST_DEPS_STAMP)
 	$(PY) -m pytest -q tests

@@ -225,6 +225,7 @@ static int dead_peer_main(int rank, int port) {
             chorus_request_error(req));
   chorus_request_free(req);
   chorus_comm_destroy(c);
+  if (bs.release) bs.release(bs.ctx);
   return ok ? 0 : 1;
 }
 
@@ -232,6 +233,7 @@ static int run_dead_peer(int shm) {
   int port = free_port();
   if (!shm) setenv("CHORUS_SHM_DISABLE", "1", 1);
   else unsetenv("CHORUS_SHM_DISABLE");
+  fflush(stdout);
   pid_t p0 = fork();
   if (p0 == 0) _exit(dead_peer_main(0, port));
   pid_t p1 = fork();
@@ -249,9 +251,14 @@ static int run_world(int n, int shm) {
   if (!shm) setenv("CHORUS_SHM_DISABLE", "1", 1);
   else unsetenv("CHORUS_SHM_DISABLE");
   pid_t pids[16];
+  fflush(stdout); /* nothing buffered is copied into the children */
   for (int r = 0; r < n; r++) {
     pids[r] = fork();
-    if (pids[r] == 0) _exit(rank_main(r, n, port));
+    if (pids[r] == 0) {
+      int rc = rank_main(r, n, port);
+      if (getenv("TEST_CHILD_EXIT")) exit(rc); /* lets LeakSanitizer run */
+      _exit(rc);
+    }
   }
   int bad = 0;
   for (int r = 0; r < n; r++) {

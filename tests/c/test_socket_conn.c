@@ -314,6 +314,11 @@ static void collect(int nr, int from_child[][2], int to_child[][2], pid_t *pids)
     }
     g_pass += counts[0];
     g_fail += counts[1];
+    /* a child's exit status counts too: valgrind and LeakSanitizer report at exit */
+    if (!WIFEXITED(st) || (WEXITSTATUS(st) != 0 && counts[1] == 0)) {
+      fprintf(stderr, "FAIL child %d exited with status 0x%x\n", r, st);
+      g_fail++;
+    }
   }
 }
 
