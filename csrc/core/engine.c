@@ -395,6 +395,54 @@ static chorus_result_t failed_result(struct chorus_comm *comm) {
   return comm->err != CHORUS_SUCCESS ? comm->err : CHORUS_ERR_ABORTED;
 }
 
+/* Who a timed-out op waited for. A collective asks the store which ranks reached it: each
+ * rank that times out marks <prefix>/stuck/<seq>/<rank>, then looks for the others' marks
+ * (1 s for all of them together, enough for ranks whose deadlines are a little later); ranks
+ * without a mark never reached this collective, which names a silent or dead rank even to
+ * ranks that waited on somebody else. Point-to-point: the peer. */
+#define STUCK_WAIT_MS 1000
+static void describe_awaited(struct chorus_comm *comm, const struct op *op, char *buf,
+                             size_t cap) {
+  snprintf(buf, cap, "peers");
+  if (!op) return;
+  if (op->kind == OP_SEND || op->kind == OP_RECV) {
+    if (op->root >= 0) snprintf(buf, cap, "rank %d", op->root);
+    else snprintf(buf, cap, "any peer");
+    return;
+  }
+  if (!comm->bs.set || !comm->bs.get || comm->nranks < 2) return;
+  char key[300], v[8];
+  snprintf(key, sizeof key, "%s/stuck/%llu/%d", comm->prefix, (unsigned long long)op->seq,
+           comm->rank);
+  if (comm->bs.set(comm->bs.ctx, key, "1", 1) != CHORUS_SUCCESS) return;
+  int64_t end = now_ns() + (int64_t)STUCK_WAIT_MS * 1000000LL;
+  size_t used = 0;
+  int missing = 0;
+  for (int p = 0; p < comm->nranks; p++) {
+    if (p == comm->rank) continue;
+    snprintf(key, sizeof key, "%s/stuck/%llu/%d", comm->prefix, (unsigned long long)op->seq, p);
+    int64_t left = (end - now_ns()) / 1000000LL;
+    size_t got = 0;
+    if (comm->bs.get(comm->bs.ctx, key, v, sizeof v, &got, left > 20 ? (int)left : 20) ==
+        CHORUS_SUCCESS)
+      continue;
+    if (used + 16 < cap)
+      used += (size_t)snprintf(buf + used, cap - used, "%s%d", missing ? ", " : "rank ", p);
+    missing++;
+  }
+  if (!missing) {
+    snprintf(buf, cap, "peers (every rank reached this collective)");
+    return;
+  }
+  if (missing > 1 && cap > 6) { /* "rank 2, 3" -> "ranks 2, 3" */
+    memmove(buf + 5, buf + 4, strlen(buf + 4) + 1);
+    buf[4] = 's';
+  }
+  size_t n = strlen(buf);
+  snprintf(buf + n, cap - n, ", which never reached %s seq %llu", op_kind_name(op->kind),
+           (unsigned long long)op->seq);
+}
+
 chorus_result_t engine_poll(struct chorus_comm *comm, struct op *op, int *idle_iters) {
   int progressed = 0;
   if (atomic_load(&comm->failed)) return failed_result(comm);
@@ -422,11 +470,12 @@ chorus_result_t engine_poll(struct chorus_comm *comm, struct op *op, int *idle_i
       late = p2p_late;
     }
     if (dl && now > dl) {
-      char d[200];
+      char d[200], who[300];
       op_describe(late, d, sizeof d);
+      describe_awaited(comm, late, who, sizeof who);
       return comm_set_error(comm, CHORUS_ERR_TIMEOUT,
                             "%s timed out on rank %d after %d ms waiting for %s", d, comm->rank,
-                            comm->timeout_ms, late && late != op ? "its peer" : "peers");
+                            comm->timeout_ms, who);
     }
     /* sleep longer the longer we have been idle, but stay responsive */
     int us = n < spin + 200 ? 50 : 2000;
