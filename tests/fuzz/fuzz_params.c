@@ -18,12 +18,7 @@
 #include "core.h"
 #include "algo/tune.h"
 
-#define FATAL(...)                    \
-  do {                                \
-    fprintf(stderr, __VA_ARGS__);     \
-    fputc('\n', stderr);              \
-    abort();                          \
-  } while (0)
+#include "fuzz.h"
 
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
   (void)argc;

@@ -29,12 +29,7 @@
 #define PAD16(x) (((x) + 15u) & ~(size_t)15u)
 #define MAX_COUNT 0xffffu /* elements: up to 512 KiB payloads, past msg.c's DIRECT_MIN */
 
-#define FATAL(...)                    \
-  do {                                \
-    fprintf(stderr, __VA_ARGS__);     \
-    fputc('\n', stderr);              \
-    abort();                          \
-  } while (0)
+#include "fuzz.h"
 
 struct fake_conn {
   conn_t base;
