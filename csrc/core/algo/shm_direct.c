@@ -133,8 +133,8 @@ static void publish(struct dx *x, int which, uint64_t g) {
   shm_notify_local(x->comm);
 }
 
-/* Starts the next chunk. A rank that writes its scratch first waits until every peer is
- * done with the chunk that used the same half. */
+/* Starts the next chunk. A rank that writes its scratch or posts a fingerprint (both live
+ * per half) first waits until every peer is done with the chunk that used the same half. */
 static chorus_result_t chunk_begin(struct dx *x, int writes, uint64_t *g, uint8_t **mine) {
   uint64_t gen = ++x->comm->dgen;
   if (writes && gen > 2) CHECK(wait_flag(x, F_DONE, gen - 2, -1));
@@ -397,7 +397,9 @@ chorus_result_t oneshot_barrier(struct chorus_comm *comm, struct op *op) {
   struct dx x;
   dx_init(&x, comm, op);
   uint64_t g;
-  CHECK(chunk_begin(&x, 0, &g, NULL));
+  /* no scratch data, but the posted fingerprint takes the half's slot, which a slow peer may
+   * still be checking for the chunk two generations back: wait as a writer does */
+  CHECK(chunk_begin(&x, 1, &g, NULL));
   publish(&x, F_POSTED, g);
   CHECK(wait_flag(&x, F_POSTED, g, -1));
   publish(&x, F_DONE, g);
