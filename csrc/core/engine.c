@@ -587,6 +587,22 @@ chorus_result_t engine_start(struct chorus_comm *comm) {
   return CHORUS_SUCCESS;
 }
 
+/* A graceful stop lets queued and in-flight operations finish for this long, then aborts
+ * them: destroying a communicator while a collective waits on a rank that will never call it
+ * must not hang until the operation's timeout. */
+#define DESTROY_GRACE_MS 3000
+
+static void set_abort(struct chorus_comm *comm) {
+  comm_set_error(comm, CHORUS_ERR_ABORTED,
+                 "communicator destroyed on rank %d while operations were in flight (after "
+                 "a %d ms grace)", comm->rank, DESTROY_GRACE_MS);
+  pthread_mutex_lock(&comm->mu);
+  atomic_store(&comm->aborted, 1);
+  pthread_cond_broadcast(&comm->idle_cv);
+  pthread_mutex_unlock(&comm->mu);
+  engine_wake(comm);
+}
+
 void engine_stop(struct chorus_comm *comm, int abort_now) {
   if (comm->thread_started) {
     pthread_mutex_lock(&comm->mu);
@@ -595,7 +611,21 @@ void engine_stop(struct chorus_comm *comm, int abort_now) {
     pthread_cond_broadcast(&comm->idle_cv);
     pthread_mutex_unlock(&comm->mu);
     engine_wake(comm);
-    pthread_join(comm->thread, NULL);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += DESTROY_GRACE_MS / 1000;
+    until.tv_nsec += (long)(DESTROY_GRACE_MS % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+      until.tv_sec++;
+      until.tv_nsec -= 1000000000L;
+    }
+    if (abort_now || pthread_timedjoin_np(comm->thread, NULL, &until) != 0) {
+      if (!abort_now)
+        INFO(SUB_INIT, comm->rank, "rank %d: operations still in flight %d ms into destroy: "
+             "aborting them", comm->rank, DESTROY_GRACE_MS);
+      set_abort(comm);
+      pthread_join(comm->thread, NULL);
+    }
     comm->thread_started = 0;
   }
   if (comm->wake_fd >= 0) close(comm->wake_fd);
