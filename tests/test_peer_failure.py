@@ -21,7 +21,9 @@ VICTIM = 2
 def test_survivors_raise_naming_the_failed_rank(tmp_path, mode, transport):
     before = set(chorus_shm_segments())
     env = {"CHORUS_SHM_DISABLE": "1" if transport == "socket" else "0", "MODE": mode,
-           "VICTIM": str(VICTIM), "CHORUS_TEST_PG_TIMEOUT": "5"}
+           "VICTIM": str(VICTIM), "CHORUS_TEST_PG_TIMEOUT": "5",
+           # the core's log goes to its own files, so its lines never split the worker's
+           "CHORUS_DEBUG_FILE": str(tmp_path / "chorus.%p.log")}
     job = Job(f"fail-{mode}-{transport}", WORKER, 4, args=[str(tmp_path)], env=env)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
