@@ -38,6 +38,22 @@ chorus_result_t bs_get(struct chorus_comm *comm, const char *key, void *buf, siz
   return CHORUS_SUCCESS;
 }
 
+chorus_result_t bs_try_set(struct chorus_comm *comm, const char *key, const void *val,
+                           size_t len) {
+  char k[256];
+  full_key(comm, key, k, sizeof k);
+  return comm->bs.set ? comm->bs.set(comm->bs.ctx, k, val, len) : CHORUS_ERR_UNSUPPORTED;
+}
+
+chorus_result_t bs_try_get(struct chorus_comm *comm, const char *key, void *buf, size_t cap,
+                           size_t *len, int timeout_ms) {
+  char k[256];
+  full_key(comm, key, k, sizeof k);
+  *len = 0;
+  return comm->bs.get ? comm->bs.get(comm->bs.ctx, k, buf, cap, len, timeout_ms)
+                      : CHORUS_ERR_UNSUPPORTED;
+}
+
 chorus_result_t bs_allgather(struct chorus_comm *comm, const char *tag, const void *mine,
                              void *out, size_t len) {
   char key[160];

@@ -269,8 +269,9 @@ chorus_result_t socket_listen(struct chorus_comm *comm, struct peer_info *info);
 chorus_result_t socket_connect_all(struct chorus_comm *comm);
 void socket_teardown(struct chorus_comm *comm);
 /* After this rank's communicator failed (engine thread): publishes the error in the store
- * (key failure/<rank>) and resets every socket connection, so that peers blocked on other
- * ranks fail at once with this rank's reason instead of at their timeout. Once. */
+ * (key failure/<rank>) and ends its side of every socket connection, so that peers blocked
+ * on other ranks fail, once they have read what it sent, with this rank's reason instead of
+ * at their timeout. Once. */
 void socket_abort_conns(struct chorus_comm *comm);
 /* Connection setup messages (exposed for tests/fuzz/fuzz_wire.c). The acceptor checks a
  * complete hello (SOCK_HELLO_LEN bytes at h) against comm: NULL if acceptable, else the
@@ -286,6 +287,12 @@ int socket_ack_ok(const uint8_t *ack, int peer, int channel);
 /* Key/value helpers that prefix keys with comm->prefix. */
 chorus_result_t bs_set(struct chorus_comm *comm, const char *key, const void *val, size_t len);
 chorus_result_t bs_get(struct chorus_comm *comm, const char *key, void *buf, size_t len);
+/* The same without recording an error in the communicator, for the failure path: try_get
+ * waits at most timeout_ms and reports the stored length in *len. */
+chorus_result_t bs_try_set(struct chorus_comm *comm, const char *key, const void *val,
+                           size_t len);
+chorus_result_t bs_try_get(struct chorus_comm *comm, const char *key, void *buf, size_t cap,
+                           size_t *len, int timeout_ms);
 /* Every rank contributes len bytes; out holds nranks * len bytes in rank order. */
 chorus_result_t bs_allgather(struct chorus_comm *comm, const char *tag, const void *mine,
                              void *out, size_t len);
@@ -396,6 +403,8 @@ struct chorus_comm {
   char errbuf[1024];
   pthread_mutex_t err_mu;
   struct op *current;                   /* op the engine runs now (for error text) */
+  uint64_t failed_seq;                  /* collective whose failure failed the communicator
+                                         * (0: none, or not a collective) */
   void *engine_priv;                    /* engine.c's per-peer p2p state */
   uint32_t db_seen;                     /* doorbell value at the last progress check */
   int spin;                             /* polls before yielding (SPIN_COUNT or auto) */

@@ -410,37 +410,30 @@ static void describe_awaited(struct chorus_comm *comm, const struct op *op, char
     else snprintf(buf, cap, "any peer");
     return;
   }
-  if (!comm->bs.set || !comm->bs.get || comm->nranks < 2) return;
-  char key[300], v[8];
-  snprintf(key, sizeof key, "%s/stuck/%llu/%d", comm->prefix, (unsigned long long)op->seq,
-           comm->rank);
-  if (comm->bs.set(comm->bs.ctx, key, "1", 1) != CHORUS_SUCCESS) return;
+  if (comm->nranks < 2) return;
+  const unsigned long long seq = (unsigned long long)op->seq;
+  char key[64], v[8], list[200] = "";
+  snprintf(key, sizeof key, "stuck/%llu/%d", seq, comm->rank);
+  if (bs_try_set(comm, key, "1", 1) != CHORUS_SUCCESS) return;
   int64_t end = now_ns() + (int64_t)STUCK_WAIT_MS * 1000000LL;
   size_t used = 0;
   int missing = 0;
   for (int p = 0; p < comm->nranks; p++) {
     if (p == comm->rank) continue;
-    snprintf(key, sizeof key, "%s/stuck/%llu/%d", comm->prefix, (unsigned long long)op->seq, p);
+    snprintf(key, sizeof key, "stuck/%llu/%d", seq, p);
     int64_t left = (end - now_ns()) / 1000000LL;
-    size_t got = 0;
-    if (comm->bs.get(comm->bs.ctx, key, v, sizeof v, &got, left > 20 ? (int)left : 20) ==
-        CHORUS_SUCCESS)
+    size_t got;
+    if (bs_try_get(comm, key, v, sizeof v, &got, left > 20 ? (int)left : 20) == CHORUS_SUCCESS)
       continue;
-    if (used + 16 < cap)
-      used += (size_t)snprintf(buf + used, cap - used, "%s%d", missing ? ", " : "rank ", p);
+    if (used + 16 < sizeof list)
+      used += (size_t)snprintf(list + used, sizeof list - used, "%s%d", missing ? ", " : "", p);
     missing++;
   }
-  if (!missing) {
+  if (!missing)
     snprintf(buf, cap, "peers (every rank reached this collective)");
-    return;
-  }
-  if (missing > 1 && cap > 6) { /* "rank 2, 3" -> "ranks 2, 3" */
-    memmove(buf + 5, buf + 4, strlen(buf + 4) + 1);
-    buf[4] = 's';
-  }
-  size_t n = strlen(buf);
-  snprintf(buf + n, cap - n, ", which never reached %s seq %llu", op_kind_name(op->kind),
-           (unsigned long long)op->seq);
+  else
+    snprintf(buf, cap, "rank%s %s, which never reached %s seq %llu", missing > 1 ? "s" : "", list,
+             op_kind_name(op->kind), seq);
 }
 
 chorus_result_t engine_poll(struct chorus_comm *comm, struct op *op, int *idle_iters) {
@@ -516,6 +509,7 @@ static void *engine_main(void *arg) {
         TRACE(SUB_COLL, comm->rank, "%s seq %llu count %zu %s", op_kind_name(op->kind),
               (unsigned long long)op->seq, op->count, chorus_dtype_name(op->dtype));
         res = algo_run(comm, op);
+        if (res != CHORUS_SUCCESS) comm->failed_seq = op->seq;
         if (res != CHORUS_SUCCESS && !atomic_load(&comm->failed)) {
           char d[200];
           op_describe(op, d, sizeof d);
@@ -592,15 +586,12 @@ chorus_result_t engine_start(struct chorus_comm *comm) {
  * must not hang until the operation's timeout. */
 #define DESTROY_GRACE_MS 3000
 
+/* The error says why, then chorus_comm_abort (whose own text comes second) fails the rest. */
 static void set_abort(struct chorus_comm *comm) {
   comm_set_error(comm, CHORUS_ERR_ABORTED,
                  "communicator destroyed on rank %d while operations were in flight (after "
                  "a %d ms grace)", comm->rank, DESTROY_GRACE_MS);
-  pthread_mutex_lock(&comm->mu);
-  atomic_store(&comm->aborted, 1);
-  pthread_cond_broadcast(&comm->idle_cv);
-  pthread_mutex_unlock(&comm->mu);
-  engine_wake(comm);
+  chorus_comm_abort(comm);
 }
 
 void engine_stop(struct chorus_comm *comm, int abort_now) {

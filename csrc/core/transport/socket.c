@@ -30,7 +30,8 @@
 #define ACK_LEN SOCK_ACK_LEN      /* magic, version, rank, channel */
 #define HELLO_WAIT_MS 5000        /* a silent stranger is dropped after this */
 #define MAX_PENDING 256           /* accepted sockets still owing their hello */
-#define FAILURE_WAIT_MS 300       /* how long a reset connection looks for the peer's reason */
+#define FAILURE_WAIT_MS 300       /* how long a closed connection looks for the peer's reason */
+#define FLUSH_WAIT_MS 1000        /* a failing rank's last try to send what it still holds */
 #define REFUSED_RETRY_MS 5000     /* the peer listens before the all-gather; refusals are
                                      retried only briefly (e.g. SYN races), not forever */
 #define RING_MIN (64u << 10)
@@ -64,6 +65,9 @@ struct sock_conn {
   int awaiting_ack;          /* connector side, until the acceptor's ack is read */
   int direct_tx;             /* a direct write is unfinished: poll for POLLOUT */
   int direct_rx;             /* a direct read is unfinished: progress leaves recv to it */
+  int eof_probed;            /* after EOF, the store was asked whether the peer failed */
+  int peer_failed;           /* ... and it had: at collective peer_failed_seq (0: at once) */
+  uint64_t peer_failed_seq;
   chorus_result_t err;       /* sticky: reported once through comm_set_error */
   char peer_addr[ADDR_LEN + 80]; /* for messages: advertised address and host name */
 };
@@ -296,18 +300,17 @@ static chorus_result_t conn_fail(struct sock_conn *s, int err, const char *what)
     /* A peer whose communicator failed published why before resetting its connections
      * (socket_abort_conns); a peer that died published nothing: the short wait is all that
      * costs. */
-    char key[300], why[700];
+    char key[32], why[700];
     size_t got = 0;
-    snprintf(key, sizeof key, "%s/failure/%d", comm->prefix, peer);
-    if (comm->bs.get &&
-        comm->bs.get(comm->bs.ctx, key, why, sizeof why - 1, &got, FAILURE_WAIT_MS) ==
-            CHORUS_SUCCESS &&
+    snprintf(key, sizeof key, "failure/%d", peer);
+    if (bs_try_get(comm, key, why, sizeof why - 1, &got, FAILURE_WAIT_MS) == CHORUS_SUCCESS &&
         got > 0) {
       why[got < sizeof why ? got : sizeof why - 1] = 0;
+      const char *text = strchr(why, '|');
       s->err = comm_set_error(comm, CHORUS_ERR_PEER,
                               "rank %d peer %d (socket, %s channel): rank %d reported a "
                               "failure: %s", comm->rank, peer, chan_name(s->base.channel),
-                              peer, why);
+                              peer, text ? text + 1 : why);
       return s->err;
     }
     s->err = comm_set_error(comm, CHORUS_ERR_PEER,
@@ -387,6 +390,27 @@ static chorus_result_t sock_consume(conn_t *c, size_t len) {
   return CHORUS_SUCCESS;
 }
 
+/* Has the peer published a failure? Asked once per closed connection; the failing peer
+ * publishes before it closes, so a short look suffices. Sets s->peer_failed_seq to the
+ * collective it failed at (0: at once). */
+static int peer_published_failure(struct sock_conn *s) {
+  char key[32], v[32];
+  size_t got = 0;
+  snprintf(key, sizeof key, "failure/%d", s->base.peer);
+  if (bs_try_get(s->base.comm, key, v, sizeof v - 1, &got, 1) != CHORUS_SUCCESS || got == 0)
+    return 0;
+  v[got < sizeof v ? got : sizeof v - 1] = 0;
+  s->peer_failed_seq = strtoull(v, NULL, 10);
+  return 1;
+}
+
+/* The closed peer failed at a collective this rank has reached (or failed outside one). */
+static int peer_failure_reached(const struct sock_conn *s) {
+  const struct op *cur = s->base.comm->current;
+  return s->peer_failed_seq == 0 ||
+         (cur && cur->kind != OP_SEND && cur->kind != OP_RECV && cur->seq >= s->peer_failed_seq);
+}
+
 /* One sendmsg() and one recvmsg() at most; both cover the ring's wrap with two iovecs.
  * *progressed is only ever set, never cleared (the engine ORs it over connections). */
 static chorus_result_t sock_progress(conn_t *c, int *progressed) {
@@ -436,11 +460,23 @@ static chorus_result_t sock_progress(conn_t *c, int *progressed) {
    * longer involves it merely because the engine progresses every connection. */
   if (s->eof && s->rx_head == s->rx_tail && (s->starving || s->tx_tail != s->tx_head))
     return conn_fail(s, 0, "recv");
+  /* Everything a closed peer sent has been read: if it closed because its communicator
+   * failed (socket_abort_conns publishes that before closing), fail once this rank reaches
+   * the collective it failed at, rather than when this rank next needs the peer, which may
+   * be never (it may be waiting on a third rank). Earlier collectives still finish. */
+  if (s->eof && s->rx_head == s->rx_tail) {
+    if (!s->eof_probed) {
+      s->eof_probed = 1;
+      s->peer_failed = peer_published_failure(s);
+    }
+    if (s->peer_failed && peer_failure_reached(s)) return conn_fail(s, 0, "recv");
+  }
   return CHORUS_SUCCESS;
 }
 
 static int sock_pollfd(conn_t *c, struct pollfd *pfd) {
   struct sock_conn *s = (struct sock_conn *)c;
+  if (s->err) return 0; /* failed: nothing more to move */
   pfd->fd = s->fd;
   pfd->events = 0;
   pfd->revents = 0;
@@ -988,6 +1024,29 @@ done:
   return res;
 }
 
+/* Sends what the outgoing ring still holds (bytes of operations that completed here, which
+ * the peer may still be waiting for), until deadline at most: a peer that reads nothing
+ * more cannot hold a failing rank for long. */
+static void flush_tx(struct sock_conn *s, int64_t deadline) {
+  while (s->tx_tail != s->tx_head && !s->err) {
+    struct iovec iov[2];
+    struct msghdr mh = {0};
+    mh.msg_iov = iov;
+    mh.msg_iovlen = (size_t)ring_iov(s->tx, s->size, s->tx_head,
+                                     (size_t)(s->tx_tail - s->tx_head), iov);
+    ssize_t r = sendmsg(s->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (r > 0) {
+      s->tx_head += (uint64_t)r;
+      continue;
+    }
+    if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return;
+    int ms = ms_until(deadline, 100);
+    if (ms <= 0) return;
+    struct pollfd pfd = {s->fd, POLLOUT, 0};
+    if (poll(&pfd, 1, ms) < 0 && errno != EINTR) return;
+  }
+}
+
 void socket_abort_conns(struct chorus_comm *comm) {
   if (!comm->sock || comm->sock->aborted) return;
   comm->sock->aborted = 1;
@@ -996,30 +1055,35 @@ void socket_abort_conns(struct chorus_comm *comm) {
     for (int p = 0; comm->conns[ch] && p < comm->nranks; p++)
       if (comm->conns[ch][p] && comm->conns[ch][p]->ops == &sock_ops) any = 1;
   if (!any) return;
-  char key[300], msg[700];
+  char key[32], msg[700];
   pthread_mutex_lock(&comm->err_mu);
-  snprintf(msg, sizeof msg, "%.600s", comm->errbuf[0] ? comm->errbuf : "communicator failed");
+  /* "<seq>|<text>": peers fail at that collective, not at earlier ones still finishing */
+  snprintf(msg, sizeof msg, "%llu|%.600s", (unsigned long long)comm->failed_seq,
+           comm->errbuf[0] ? comm->errbuf : "communicator failed");
   chorus_result_t err = comm->err ? comm->err : CHORUS_ERR_PEER;
   pthread_mutex_unlock(&comm->err_mu);
-  snprintf(key, sizeof key, "%s/failure/%d", comm->prefix, comm->rank);
-  if (comm->bs.set && comm->bs.set(comm->bs.ctx, key, msg, strlen(msg)) != CHORUS_SUCCESS)
+  snprintf(key, sizeof key, "failure/%d", comm->rank);
+  if (bs_try_set(comm, key, msg, strlen(msg)) != CHORUS_SUCCESS)
     INFO(SUB_NET, comm->rank, "socket: could not publish the failure in the store");
+  const int64_t flush_end = now_ns() + (int64_t)FLUSH_WAIT_MS * 1000000LL;
   for (int ch = 0; ch < CHAN_COUNT; ch++) {
     for (int p = 0; comm->conns[ch] && p < comm->nranks; p++) {
       conn_t *c = comm->conns[ch][p];
       if (!c || c->ops != &sock_ops) continue;
       struct sock_conn *s = (struct sock_conn *)c;
       if (s->fd < 0) continue;
-      /* linger 0: close sends a reset, which the peer's next recv reports at once */
-      struct linger l = {1, 0};
-      if (setsockopt(s->fd, SOL_SOCKET, SO_LINGER, &l, sizeof l) != 0)
-        TRACE(SUB_NET, comm->rank, "socket: SO_LINGER: %s", strerror(errno));
-      if (close(s->fd) != 0) TRACE(SUB_NET, comm->rank, "socket: close: %s", strerror(errno));
-      s->fd = -1;
+      /* An orderly end of our direction (FIN after every byte already sent), not a reset: a
+       * reset would discard bytes of earlier, completed exchanges the peer has not read yet.
+       * The fd stays open (closed with the connection), so what the peer still sends is
+       * absorbed rather than answered with a reset. The peer fails once it has read all
+       * we sent and finds our failure in the store. */
+      flush_tx(s, flush_end);
+      if (shutdown(s->fd, SHUT_WR) != 0)
+        TRACE(SUB_NET, comm->rank, "socket: shutdown: %s", strerror(errno));
       if (!s->err) s->err = err;
     }
   }
-  INFO(SUB_NET, comm->rank, "socket: connections reset after the failure: %s", msg);
+  INFO(SUB_NET, comm->rank, "socket: connections closed after the failure: %s", msg);
 }
 
 void socket_teardown(struct chorus_comm *comm) {
