@@ -1,0 +1,634 @@
+/* reduce.cu - the element-wise reduction kernels on CUDA device memory behind
+ * cuda_kernels.h: chorus_cuda_reduce (out = op(in[0], ..., in[n-1]), optionally divided
+ * for AVG) and chorus_cuda_premul (out = in * factor). Every result is bit-identical to the
+ * CPU path in reduce.c (reduce_n + reduce_divide, reduce_premul): the same accumulator
+ * types, the same combining order, fp16/bf16 converted to the same bits (reduce.c's bit
+ * manipulation, or the hardware conversion where it was checked equal on every input),
+ * floating-point operations with explicit round-to-nearest intrinsics (so that nvcc never
+ * contracts them into FMAs), and NaN results rebuilt the way the x86 host produces them
+ * (the GPU's own canonical NaN 0x7fffffff would differ). One kernel template is
+ * instantiated per dtype and base op; each thread of a grid-stride loop does two 16-byte
+ * vectors at a time when all pointers share their alignment, single elements otherwise. */
+#include <stdint.h>
+
+#include <atomic>
+#include <type_traits>
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "cuda_kernels.h"
+
+/* Fast math flushes subnormals and approximates division: no longer the CPU's results. */
+#ifdef __USE_FAST_MATH__
+#error "reduce.cu must be built without --use_fast_math (results must match the CPU bit for bit)"
+#endif
+
+namespace {
+
+const int THREADS = 256;
+/* Blocks per multiprocessor we launch at most; the grid-stride loop covers the rest, so a
+ * huge count never turns into millions of blocks. On an H200, 8 (with two vectors per
+ * thread) gave 3.3-4.2 TB/s for 2..16 inputs of int8, bf16, float32 and float64 and
+ * 2.9-3.2 for fp16, against 4.2 for a device copy; 4 gave about 3.0 for bf16/float32. */
+const int BLOCKS_PER_SM = 8;
+const int MAX_DEVICES = 64;
+
+/* ------------------------------------------------------------------ bits and NaNs */
+__device__ __forceinline__ uint32_t f32_bits(float f) { return __float_as_uint(f); }
+__device__ __forceinline__ float f32_from(uint32_t u) { return __uint_as_float(u); }
+__device__ __forceinline__ uint64_t f64_bits(double d) {
+  return (uint64_t)__double_as_longlong(d);
+}
+__device__ __forceinline__ double f64_from(uint64_t u) {
+  return __longlong_as_double((long long)u);
+}
+/* By bits, so no compiler flag can make the test assume NaNs away. */
+__device__ __forceinline__ bool is_nan32(float f) {
+  return (f32_bits(f) & 0x7fffffffu) > 0x7f800000u;
+}
+__device__ __forceinline__ bool is_nan64(double d) {
+  return (f64_bits(d) & 0x7fffffffffffffffull) > 0x7ff0000000000000ull;
+}
+
+/* The host's SSE rules, which reduce.c runs under: an operation with a NaN operand returns
+ * the first NaN operand with its quiet bit set; an invalid operation (inf - inf, 0 * inf)
+ * returns the "default NaN" with the sign bit set. (Which of two different NaNs the CPU
+ * returns depends on how gcc ordered the operands; we take the first, source order.) */
+__device__ __noinline__ float nan_result32(float a, float b) {
+  uint32_t q = is_nan32(a) ? f32_bits(a) : is_nan32(b) ? f32_bits(b) : 0xffc00000u;
+  return f32_from(q | 0x00400000u);
+}
+__device__ __noinline__ double nan_result64(double a, double b) {
+  uint64_t q = is_nan64(a) ? f64_bits(a) : is_nan64(b) ? f64_bits(b) : 0xfff8000000000000ull;
+  return f64_from(q | 0x0008000000000000ull);
+}
+
+/* IEEE operations, correctly rounded; the _rn intrinsics are never fused into an FMA. */
+__device__ __forceinline__ float add32(float a, float b) {
+  float r = __fadd_rn(a, b);
+  return is_nan32(r) ? nan_result32(a, b) : r;
+}
+__device__ __forceinline__ float mul32(float a, float b) {
+  float r = __fmul_rn(a, b);
+  return is_nan32(r) ? nan_result32(a, b) : r;
+}
+__device__ __forceinline__ float div32(float a, float b) {
+  float r = __fdiv_rn(a, b);
+  return is_nan32(r) ? nan_result32(a, b) : r;
+}
+__device__ __forceinline__ double add64(double a, double b) {
+  double r = __dadd_rn(a, b);
+  return is_nan64(r) ? nan_result64(a, b) : r;
+}
+__device__ __forceinline__ double mul64(double a, double b) {
+  double r = __dmul_rn(a, b);
+  return is_nan64(r) ? nan_result64(a, b) : r;
+}
+__device__ __forceinline__ double div64(double a, double b) {
+  double r = __ddiv_rn(a, b);
+  return is_nan64(r) ? nan_result64(a, b) : r;
+}
+
+/* float <-> double as cvtss2sd / cvtsd2ss do it: a NaN keeps its sign and (the top of)
+ * its payload and becomes quiet; everything else converts exactly / rounds to nearest. */
+__device__ __forceinline__ double widen32(float f) {
+  if (!is_nan32(f)) return (double)f;
+  uint32_t u = f32_bits(f);
+  return f64_from(((uint64_t)(u >> 31) << 63) | 0x7ff8000000000000ull |
+                  ((uint64_t)(u & 0x7fffffu) << 29));
+}
+__device__ __forceinline__ float narrow64(double d) {
+  if (!is_nan64(d)) return __double2float_rn(d);
+  uint64_t u = f64_bits(d);
+  return f32_from(((uint32_t)(u >> 63) << 31) | 0x7fc00000u | (uint32_t)((u >> 29) & 0x7fffffu));
+}
+
+/* ------------------------------------------------------------------ fp16 / bf16 */
+/* reduce.c's half_load / half_store / bf16_load / bf16_store. For fp16 the hardware
+ * conversions give the same bits on every non-NaN: half -> float is exact, and
+ * float -> half rounds to nearest even, subnormals and overflow to inf included, which is
+ * what half_store computes with its bit arithmetic (checked for all 2^16 halves and all
+ * 2^32 floats against reduce.c). NaNs take reduce.c's bit path, since the hardware does
+ * not keep payloads that way: half_load keeps sign and payload (a signalling NaN stays
+ * signalling), half_store sets the quiet bit and truncates the payload. */
+__device__ __forceinline__ float half_load(uint16_t h) {
+  uint32_t x = h;
+  if ((x & 0x7fffu) > 0x7c00u)
+    return f32_from(((x & 0x8000u) << 16) | 0x7f800000u | ((x & 0x3ffu) << 13));
+  return __half2float(__ushort_as_half(h));
+}
+
+__device__ __forceinline__ uint16_t half_store(float value) {
+  uint32_t f = f32_bits(value);
+  if ((f & 0x7fffffffu) > 0x7f800000u)
+    return (uint16_t)(((f >> 16) & 0x8000u) | 0x7e00u | ((f >> 13) & 0x3ffu));
+  return __half_as_ushort(__float2half_rn(value));
+}
+
+/* bf16: a bf16 is the top half of a float; rounding adds just under half an ulp plus the
+ * lowest kept bit; a NaN keeps sign and upper payload and becomes quiet. */
+__device__ __forceinline__ float bf16_load(uint16_t b) { return f32_from((uint32_t)b << 16); }
+
+__device__ __forceinline__ uint16_t bf16_store(float f) {
+  uint32_t u = f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u | 0x00400000u) >> 16);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* ------------------------------------------------------------------ dtypes */
+/* A dtype: its stored type T, how a reduced value is divided (reduce_divide, divisor > 1)
+ * and how an element is pre-multiplied (reduce_premul). */
+
+/* double -> integer as reduce.c's trunc_*: NaN gives 0, out of range saturates, the rest
+ * truncates toward zero. For int64, (double)hi is 2^63, so ">=" is the overflow test. */
+template <class T>
+__device__ __forceinline__ T trunc_sat(double v) {
+  const T hi = std::is_signed<T>::value ? (T)(~0ull >> (65 - 8 * sizeof(T))) : (T)~0ull;
+  const T lo = std::is_signed<T>::value ? (T)(-hi - 1) : (T)0;
+  if (v != v) return 0;
+  if (v <= (double)lo) return lo;
+  if (v >= (double)hi) return hi;
+  return (T)(long long)v;
+}
+
+/* Up to 32 bits: divide in double, truncate through int64 (exactly DIVIDE_LOOP). */
+template <class T>
+__device__ __forceinline__ T int_divide(T v, int d) {
+  return (T)(long long)__ddiv_rn((double)v, (double)d);
+}
+__device__ __forceinline__ int64_t int_divide(int64_t v, int d) { return v / d; }
+
+template <class TT, class UU>
+struct IntDt {
+  typedef TT T;
+  typedef UU U; /* sums, products and bit operations wrap in the unsigned twin */
+  static __device__ T divide(T v, int d) { return int_divide(v, d); }
+  static __device__ T premul(T v, double f) {
+    return trunc_sat<T>(__dmul_rn((double)v, f));
+  }
+};
+typedef IntDt<int8_t, uint8_t> I8;
+typedef IntDt<uint8_t, uint8_t> U8;
+typedef IntDt<int16_t, uint16_t> I16;
+typedef IntDt<int32_t, uint32_t> I32;
+typedef IntDt<int64_t, uint64_t> I64;
+
+struct F16 {
+  typedef uint16_t T;
+  static __device__ T divide(T v, int d) { return half_store(div32(half_load(v), (float)d)); }
+  static __device__ T premul(T v, double f) {
+    return half_store(narrow64(mul64(widen32(half_load(v)), f)));
+  }
+};
+struct BF16 {
+  typedef uint16_t T;
+  static __device__ T divide(T v, int d) { return bf16_store(div32(bf16_load(v), (float)d)); }
+  static __device__ T premul(T v, double f) {
+    return bf16_store(narrow64(mul64(widen32(bf16_load(v)), f)));
+  }
+};
+struct F32 {
+  typedef float T;
+  static __device__ T divide(T v, int d) { return narrow64(div64(widen32(v), (double)d)); }
+  static __device__ T premul(T v, double f) { return narrow64(mul64(widen32(v), f)); }
+};
+struct F64 {
+  typedef double T;
+  static __device__ T divide(T v, int d) { return div64(v, (double)d); }
+  static __device__ T premul(T v, double f) { return mul64(v, f); }
+};
+struct Bool {
+  typedef uint8_t T;
+  static __device__ T divide(T v, int) { return v; } /* reduce_divide leaves bool alone */
+  static __device__ T premul(T v, double f) {
+    return (T)(__dmul_rn((double)(v != 0), f) != 0.0);
+  }
+};
+
+/* ------------------------------------------------------------------ accumulators */
+/* How a dtype is reduced: the accumulator A, load (stored -> A) and store (A -> stored,
+ * the one rounding). Dt names the dtype for the divide step. */
+template <class D>
+struct Raw { /* accumulate in the stored type itself: copies, integer MIN/MAX, floats */
+  typedef D Dt;
+  typedef typename D::T T;
+  typedef T A;
+  static __device__ A load(T x) { return x; }
+  static __device__ T store(A a) { return a; }
+};
+template <class D>
+struct Wrap { /* integers in their unsigned twin, so overflow wraps */
+  typedef D Dt;
+  typedef typename D::T T;
+  typedef typename D::U A;
+  static __device__ A load(T x) { return (A)x; }
+  static __device__ T store(A a) { return (T)a; }
+};
+struct BoolAcc { /* inputs are true when non-zero, results 0 or 1 */
+  typedef Bool Dt;
+  typedef uint8_t T;
+  typedef uint8_t A;
+  static __device__ A load(T x) { return (A)(x != 0); }
+  static __device__ T store(A a) { return a; }
+};
+struct HalfAcc {
+  typedef F16 Dt;
+  typedef uint16_t T;
+  typedef float A;
+  static __device__ A load(T x) { return half_load(x); }
+  static __device__ T store(A a) { return half_store(a); }
+};
+struct Bf16Acc {
+  typedef BF16 Dt;
+  typedef uint16_t T;
+  typedef float A;
+  static __device__ A load(T x) { return bf16_load(x); }
+  static __device__ T store(A a) { return bf16_store(a); }
+};
+struct F32Wide { /* float32 SUM/PROD of more than two inputs: in double, rounded once */
+  typedef F32 Dt;
+  typedef float T;
+  typedef double A;
+  static __device__ A load(T x) { return widen32(x); }
+  static __device__ T store(A a) { return narrow64(a); }
+};
+
+/* ------------------------------------------------------------------ ops */
+/* acc = op(acc, x); the integer overloads get unsigned operands (Wrap) except MIN/MAX. */
+struct Sum {
+  template <class A>
+  __device__ A operator()(A a, A b) const { return (A)(a + b); }
+  __device__ float operator()(float a, float b) const { return add32(a, b); }
+  __device__ double operator()(double a, double b) const { return add64(a, b); }
+};
+struct Prod { /* "* 1u" keeps 8/16-bit products out of signed int */
+  template <class A>
+  __device__ A operator()(A a, A b) const { return (A)(a * 1u * b); }
+  __device__ float operator()(float a, float b) const { return mul32(a, b); }
+  __device__ double operator()(double a, double b) const { return mul64(a, b); }
+};
+/* Floats as OP_FMIN / OP_FMAX: take x when smaller (larger) or NaN, so a NaN wins and on
+ * ties (-0 vs +0 too) the earlier input stays. A selection: the bits pass unchanged. */
+struct Min {
+  template <class A>
+  __device__ A operator()(A a, A b) const { return b < a ? b : a; }
+  __device__ float operator()(float a, float b) const { return (b < a || is_nan32(b)) ? b : a; }
+  __device__ double operator()(double a, double b) const {
+    return (b < a || is_nan64(b)) ? b : a;
+  }
+};
+struct Max {
+  template <class A>
+  __device__ A operator()(A a, A b) const { return b > a ? b : a; }
+  __device__ float operator()(float a, float b) const { return (b > a || is_nan32(b)) ? b : a; }
+  __device__ double operator()(double a, double b) const {
+    return (b > a || is_nan64(b)) ? b : a;
+  }
+};
+struct And {
+  template <class A>
+  __device__ A operator()(A a, A b) const { return (A)(a & b); }
+};
+struct Or {
+  template <class A>
+  __device__ A operator()(A a, A b) const { return (A)(a | b); }
+};
+struct Xor {
+  template <class A>
+  __device__ A operator()(A a, A b) const { return (A)(a ^ b); }
+};
+struct Copy { /* n == 1: nothing is combined */
+  template <class A>
+  __device__ A operator()(A a, A) const { return a; }
+};
+
+/* ------------------------------------------------------------------ kernels */
+/* Element layout shared by both kernels: [0, head) single elements up to the common
+ * 16-byte boundary, then nvec vectors of 16 bytes, then single elements to count. With
+ * pointers of different alignment, head == count and nvec == 0. */
+struct Layout {
+  size_t count, head, nvec;
+};
+
+struct ReduceArgs {
+  const void *in[CUDA_REDUCE_MAX_IN];
+  void *out;
+  int n;
+  int divisor;
+  Layout lay;
+};
+
+struct PremulArgs {
+  const void *in;
+  void *out;
+  double factor;
+  Layout lay;
+};
+
+template <class T>
+union Vec {
+  uint4 u;
+  T e[sizeof(uint4) / sizeof(T)];
+};
+
+template <class T>
+__device__ __forceinline__ uint4 load_vec(const void *p, const Layout &lay, size_t v) {
+  return ((const uint4 *)((const T *)p + lay.head))[v];
+}
+template <class T>
+__device__ __forceinline__ void store_vec(void *p, const Layout &lay, size_t v, uint4 x) {
+  ((uint4 *)((T *)p + lay.head))[v] = x;
+}
+
+/* The one rounding to the dtype, then the AVG division of the rounded value. */
+template <class K>
+__device__ __forceinline__ typename K::T finish(typename K::A acc, int divisor) {
+  typename K::T v = K::store(acc);
+  return divisor > 1 ? K::Dt::divide(v, divisor) : v;
+}
+
+template <class K, class Op>
+__device__ void reduce_elem(const ReduceArgs &a, size_t i) {
+  typedef typename K::T T;
+  typename K::A acc = K::load(((const T *)a.in[0])[i]);
+  for (int k = 1; k < a.n; k++) acc = Op()(acc, K::load(((const T *)a.in[k])[i]));
+  ((T *)a.out)[i] = finish<K>(acc, a.divisor);
+}
+
+/* U vectors, v + u * stride for u < U, handled together so that each thread has 2U
+ * loads in flight (the memory system needs many more bytes in flight than one 16-byte
+ * load per thread gives). All inputs of a vector are read before it is written, so out
+ * may be any in[k]. */
+template <class K, class Op, int U>
+__device__ void reduce_vecs(const ReduceArgs &a, size_t v, size_t stride) {
+  typedef typename K::T T;
+  const int L = sizeof(uint4) / sizeof(T);
+  typename K::A acc[U][L];
+  Vec<T> x[U];
+#pragma unroll
+  for (int u = 0; u < U; u++) {
+    x[u].u = load_vec<T>(a.in[0], a.lay, v + u * stride);
+#pragma unroll
+    for (int l = 0; l < L; l++) acc[u][l] = K::load(x[u].e[l]);
+  }
+#pragma unroll 2
+  for (int k = 1; k < a.n; k++) {
+#pragma unroll
+    for (int u = 0; u < U; u++) x[u].u = load_vec<T>(a.in[k], a.lay, v + u * stride);
+#pragma unroll
+    for (int u = 0; u < U; u++)
+#pragma unroll
+      for (int l = 0; l < L; l++) acc[u][l] = Op()(acc[u][l], K::load(x[u].e[l]));
+  }
+#pragma unroll
+  for (int u = 0; u < U; u++) {
+#pragma unroll
+    for (int l = 0; l < L; l++) x[u].e[l] = finish<K>(acc[u][l], a.divisor);
+    store_vec<T>(a.out, a.lay, v + u * stride, x[u].u);
+  }
+}
+
+/* Index of the j-th single element: the head, then the tail after the vectors. */
+__device__ __forceinline__ size_t single_index(const Layout &lay, size_t j, size_t per_vec) {
+  return j < lay.head ? j : j + lay.nvec * per_vec;
+}
+
+__device__ __forceinline__ size_t thread_index() {
+  return (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ size_t grid_threads() { return (size_t)gridDim.x * blockDim.x; }
+
+/* __grid_constant__: the pointer array is indexed at run time straight from the
+ * parameter space instead of being copied to local memory. */
+template <class K, class Op>
+__global__ void __launch_bounds__(THREADS) reduce_kernel(const __grid_constant__ ReduceArgs a) {
+  const size_t per_vec = sizeof(uint4) / sizeof(typename K::T);
+  size_t start = thread_index(), stride = grid_threads();
+  size_t v = start;
+  for (; v + stride < a.lay.nvec; v += 2 * stride) reduce_vecs<K, Op, 2>(a, v, stride);
+  for (; v < a.lay.nvec; v += stride) reduce_vecs<K, Op, 1>(a, v, stride);
+  size_t singles = a.lay.count - a.lay.nvec * per_vec;
+  for (size_t j = start; j < singles; j += stride)
+    reduce_elem<K, Op>(a, single_index(a.lay, j, per_vec));
+}
+
+template <class D>
+__global__ void __launch_bounds__(THREADS) premul_kernel(const __grid_constant__ PremulArgs a) {
+  typedef typename D::T T;
+  const int L = sizeof(uint4) / sizeof(T);
+  size_t start = thread_index(), stride = grid_threads();
+  for (size_t v = start; v < a.lay.nvec; v += stride) {
+    Vec<T> x;
+    x.u = load_vec<T>(a.in, a.lay, v);
+#pragma unroll
+    for (int l = 0; l < L; l++) x.e[l] = D::premul(x.e[l], a.factor);
+    store_vec<T>(a.out, a.lay, v, x.u);
+  }
+  size_t singles = a.lay.count - a.lay.nvec * L;
+  for (size_t j = start; j < singles; j += stride) {
+    size_t i = single_index(a.lay, j, L);
+    ((T *)a.out)[i] = D::premul(((const T *)a.in)[i], a.factor);
+  }
+}
+
+/* ------------------------------------------------------------------ host side */
+size_t dtype_bytes(chorus_dtype_t d) {
+  static const size_t sz[CHORUS_DTYPE_COUNT] = {1, 1, 2, 4, 8, 2, 2, 4, 8, 1};
+  return (unsigned)d < CHORUS_DTYPE_COUNT ? sz[d] : 0;
+}
+
+/* Vectors only when every pointer reaches a 16-byte boundary at the same element. */
+Layout plan_layout(const void *const *ptrs, int np, size_t es, size_t count) {
+  Layout lay = {count, count, 0};
+  uintptr_t mis = (uintptr_t)ptrs[0] & 15u;
+  if (mis % es) return lay;
+  for (int k = 1; k < np; k++)
+    if (((uintptr_t)ptrs[k] & 15u) != mis) return lay;
+  size_t head = ((16 - mis) & 15u) / es, per_vec = 16 / es;
+  if (head > count) head = count;
+  lay.head = head;
+  lay.nvec = (count - head) / per_vec;
+  return lay;
+}
+
+/* Multiprocessors of the current device, asked once per device. A race only repeats the
+ * (idempotent) query. */
+int sm_count(int *out) {
+  static std::atomic<int> cache[MAX_DEVICES];
+  int dev;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return (int)e;
+  int n = dev >= 0 && dev < MAX_DEVICES ? cache[dev].load(std::memory_order_relaxed) : 0;
+  if (n <= 0) {
+    e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    if (e != cudaSuccess) return (int)e;
+    if (dev >= 0 && dev < MAX_DEVICES) cache[dev].store(n, std::memory_order_relaxed);
+  }
+  *out = n;
+  return 0;
+}
+
+/* One thread per vector or single element, up to BLOCKS_PER_SM blocks per SM. */
+int grid_for(const Layout &lay, size_t es, unsigned *blocks) {
+  int sms;
+  int e = sm_count(&sms);
+  if (e) return e;
+  size_t work = lay.nvec + (lay.count - lay.nvec * (16 / es));
+  size_t b = (work + THREADS - 1) / THREADS, cap = (size_t)BLOCKS_PER_SM * (sms > 0 ? sms : 1);
+  *blocks = (unsigned)(b < 1 ? 1 : b > cap ? cap : b);
+  return 0;
+}
+
+template <class K, class Op>
+int launch_reduce(const ReduceArgs &a, cudaStream_t s) {
+  unsigned blocks;
+  int e = grid_for(a.lay, sizeof(typename K::T), &blocks);
+  if (e) return e;
+  reduce_kernel<K, Op><<<blocks, THREADS, 0, s>>>(a);
+  return (int)cudaGetLastError();
+}
+
+template <class D>
+int reduce_int(chorus_op_kind_t op, const ReduceArgs &a, cudaStream_t s) {
+  if (a.n == 1) return launch_reduce<Raw<D>, Copy>(a, s);
+  switch (op) {
+    case CHORUS_SUM: return launch_reduce<Wrap<D>, Sum>(a, s);
+    case CHORUS_PROD: return launch_reduce<Wrap<D>, Prod>(a, s);
+    case CHORUS_MIN: return launch_reduce<Raw<D>, Min>(a, s);
+    case CHORUS_MAX: return launch_reduce<Raw<D>, Max>(a, s);
+    case CHORUS_BAND: return launch_reduce<Wrap<D>, And>(a, s);
+    case CHORUS_BOR: return launch_reduce<Wrap<D>, Or>(a, s);
+    case CHORUS_BXOR: return launch_reduce<Wrap<D>, Xor>(a, s);
+    default: return (int)cudaErrorInvalidValue;
+  }
+}
+
+/* K: SUM/PROD accumulator, M: MIN/MAX accumulator (they differ for float32). */
+template <class D, class K, class M>
+int reduce_float(chorus_op_kind_t op, const ReduceArgs &a, cudaStream_t s) {
+  if (a.n == 1) return launch_reduce<Raw<D>, Copy>(a, s);
+  switch (op) {
+    case CHORUS_SUM: return launch_reduce<K, Sum>(a, s);
+    case CHORUS_PROD: return launch_reduce<K, Prod>(a, s);
+    case CHORUS_MIN: return launch_reduce<M, Min>(a, s);
+    case CHORUS_MAX: return launch_reduce<M, Max>(a, s);
+    default: return (int)cudaErrorInvalidValue;
+  }
+}
+
+/* reduce.c sums and multiplies two distinct float32 inputs in float (one IEEE operation
+ * is correctly rounded) and everything else in double; follow the same split. */
+int reduce_f32(chorus_op_kind_t op, const ReduceArgs &a, cudaStream_t s) {
+  if (a.n == 2 && a.in[0] != a.in[1]) return reduce_float<F32, Raw<F32>, Raw<F32>>(op, a, s);
+  return reduce_float<F32, F32Wide, Raw<F32>>(op, a, s);
+}
+
+/* n == 1 too: bool outputs are normalised to 0/1 even then. */
+int reduce_bool(chorus_op_kind_t op, const ReduceArgs &a, cudaStream_t s) {
+  switch (op) {
+    case CHORUS_SUM:
+    case CHORUS_MAX:
+    case CHORUS_BOR: return launch_reduce<BoolAcc, Or>(a, s);
+    case CHORUS_PROD:
+    case CHORUS_MIN:
+    case CHORUS_BAND: return launch_reduce<BoolAcc, And>(a, s);
+    case CHORUS_BXOR: return launch_reduce<BoolAcc, Xor>(a, s);
+    default: return (int)cudaErrorInvalidValue;
+  }
+}
+
+int reduce_dispatch(chorus_dtype_t dtype, chorus_op_kind_t op, const ReduceArgs &a,
+                    cudaStream_t s) {
+  switch (dtype) {
+    case CHORUS_INT8: return reduce_int<I8>(op, a, s);
+    case CHORUS_UINT8: return reduce_int<U8>(op, a, s);
+    case CHORUS_INT16: return reduce_int<I16>(op, a, s);
+    case CHORUS_INT32: return reduce_int<I32>(op, a, s);
+    case CHORUS_INT64: return reduce_int<I64>(op, a, s);
+    case CHORUS_FLOAT16: return reduce_float<F16, HalfAcc, HalfAcc>(op, a, s);
+    case CHORUS_BFLOAT16: return reduce_float<BF16, Bf16Acc, Bf16Acc>(op, a, s);
+    case CHORUS_FLOAT32: return reduce_f32(op, a, s);
+    case CHORUS_FLOAT64: return reduce_float<F64, Raw<F64>, Raw<F64>>(op, a, s);
+    case CHORUS_BOOL: return reduce_bool(op, a, s);
+    default: return (int)cudaErrorInvalidValue;
+  }
+}
+
+bool is_float(chorus_dtype_t d) {
+  return d == CHORUS_FLOAT16 || d == CHORUS_BFLOAT16 || d == CHORUS_FLOAT32 ||
+         d == CHORUS_FLOAT64;
+}
+
+/* The op reduce_n would run: AVG and PREMUL_SUM reduce as SUM (reduce_op_supported's
+ * table); -1 for a pair reduce_op_supported refuses or values out of range. */
+int base_op(chorus_dtype_t dtype, chorus_op_kind_t op) {
+  if ((unsigned)dtype >= CHORUS_DTYPE_COUNT || (unsigned)op >= CHORUS_OP_COUNT) return -1;
+  switch (op) {
+    case CHORUS_BAND:
+    case CHORUS_BOR:
+    case CHORUS_BXOR: return is_float(dtype) ? -1 : (int)op;
+    case CHORUS_AVG:
+    case CHORUS_PREMUL_SUM: return dtype == CHORUS_BOOL ? -1 : (int)CHORUS_SUM;
+    default: return (int)op;
+  }
+}
+
+template <class D>
+int launch_premul(PremulArgs &a, cudaStream_t s) {
+  unsigned blocks;
+  int e = grid_for(a.lay, sizeof(typename D::T), &blocks);
+  if (e) return e;
+  premul_kernel<D><<<blocks, THREADS, 0, s>>>(a);
+  return (int)cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" int chorus_cuda_reduce(void *out, const void *const *in, int n, size_t count,
+                                  chorus_dtype_t dtype, chorus_op_kind_t op, int divisor,
+                                  void *stream) {
+  int base = base_op(dtype, op);
+  if (base < 0 || n < 1 || n > CUDA_REDUCE_MAX_IN || !out || !in) return (int)cudaErrorInvalidValue;
+  for (int k = 0; k < n; k++)
+    if (!in[k]) return (int)cudaErrorInvalidValue;
+  if (count == 0) return 0;
+  /* One input, already in place and nothing to divide: reduce_n would not touch it. */
+  if (n == 1 && out == in[0] && dtype != CHORUS_BOOL && divisor <= 1) return 0;
+
+  ReduceArgs a;
+  const void *ptrs[CUDA_REDUCE_MAX_IN + 1];
+  for (int k = 0; k < n; k++) a.in[k] = ptrs[k] = in[k];
+  for (int k = n; k < CUDA_REDUCE_MAX_IN; k++) a.in[k] = NULL;
+  ptrs[n] = out;
+  a.out = out;
+  a.n = n;
+  a.divisor = divisor;
+  a.lay = plan_layout(ptrs, n + 1, dtype_bytes(dtype), count);
+  return reduce_dispatch(dtype, (chorus_op_kind_t)base, a, (cudaStream_t)stream);
+}
+
+extern "C" int chorus_cuda_premul(void *out, const void *in, size_t count, chorus_dtype_t dtype,
+                                  double factor, void *stream) {
+  if ((unsigned)dtype >= CHORUS_DTYPE_COUNT || !out || !in) return (int)cudaErrorInvalidValue;
+  if (count == 0) return 0;
+  PremulArgs a;
+  const void *ptrs[2] = {in, out};
+  a.in = in;
+  a.out = out;
+  a.factor = factor;
+  a.lay = plan_layout(ptrs, 2, dtype_bytes(dtype), count);
+  cudaStream_t s = (cudaStream_t)stream;
+  switch (dtype) {
+    case CHORUS_INT8: return launch_premul<I8>(a, s);
+    case CHORUS_UINT8: return launch_premul<U8>(a, s);
+    case CHORUS_INT16: return launch_premul<I16>(a, s);
+    case CHORUS_INT32: return launch_premul<I32>(a, s);
+    case CHORUS_INT64: return launch_premul<I64>(a, s);
+    case CHORUS_FLOAT16: return launch_premul<F16>(a, s);
+    case CHORUS_BFLOAT16: return launch_premul<BF16>(a, s);
+    case CHORUS_FLOAT32: return launch_premul<F32>(a, s);
+    case CHORUS_FLOAT64: return launch_premul<F64>(a, s);
+    default: return launch_premul<Bool>(a, s);
+  }
+}
