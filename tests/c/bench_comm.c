@@ -1,9 +1,12 @@
 /* bench_comm.c - times all-reduce through the C API without Python: forks N ranks that meet
  * on 127.0.0.1 and prints the average time per call for a range of sizes.
  * Usage: bench_comm NRANKS [MIN_BYTES MAX_BYTES] (float32 sum; CHORUS_* variables apply;
- * BENCH_INPLACE=1 reduces in place). */
+ * BENCH_INPLACE=1 reduces in place; BENCH_ITERS=N times N calls per size instead of the
+ * default 400, 40 from 1 MiB, 10 from 16 MiB; BENCH_PIN=1 pins rank r to the r-th CPU it
+ * may use, round robin). */
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,9 +60,10 @@ static int rank_main(int rank, int n, int port, size_t lo, size_t hi) {
   size_t maxc = hi / 4 ? hi / 4 : 1;
   float *in = malloc(maxc * 4), *out = getenv("BENCH_INPLACE") ? in : malloc(maxc * 4);
   for (size_t i = 0; i < maxc; i++) in[i] = out[i] = 1.0f;
+  int fixed_iters = getenv("BENCH_ITERS") ? atoi(getenv("BENCH_ITERS")) : 0;
   for (size_t b = lo; b <= hi; b *= 4) {
     size_t count = b / 4 ? b / 4 : 1;
-    int iters = b >= (1 << 24) ? 10 : b >= (1 << 20) ? 40 : 400;
+    int iters = fixed_iters > 0 ? fixed_iters : b >= (1 << 24) ? 10 : b >= (1 << 20) ? 40 : 400;
     for (int i = 0; i < 3; i++)
       if (run(c, in, out, count)) return 1;
     double t0 = now();
@@ -87,10 +91,26 @@ int main(int argc, char **argv) {
   }
   setenv("CHORUS_SOCKET_IFNAME", "=lo", 0); /* loopback only unless told otherwise */
   int port = free_port();
+  int pin = getenv("BENCH_PIN") && atoi(getenv("BENCH_PIN")) > 0;
   pid_t pids[64];
   for (int r = 0; r < n; r++) {
     pids[r] = fork();
-    if (pids[r] == 0) _exit(rank_main(r, n, port, lo, hi));
+    if (pids[r] == 0) {
+      if (pin) { /* rank r on the r-th CPU it may use, round robin */
+        cpu_set_t all, one;
+        if (sched_getaffinity(0, sizeof all, &all) == 0 && CPU_COUNT(&all) > 0) {
+          int k = r % CPU_COUNT(&all);
+          for (int cpu = 0; cpu < CPU_SETSIZE; cpu++)
+            if (CPU_ISSET(cpu, &all) && k-- == 0) {
+              CPU_ZERO(&one);
+              CPU_SET(cpu, &one);
+              sched_setaffinity(0, sizeof one, &one);
+              break;
+            }
+        }
+      }
+      _exit(rank_main(r, n, port, lo, hi));
+    }
   }
   int bad = 0;
   for (int r = 0; r < n; r++) {
