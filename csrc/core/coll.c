@@ -64,6 +64,7 @@ static size_t *dup_counts(const size_t *src, int n) {
 
 static chorus_result_t submit(chorus_comm_t *comm, struct op *op, chorus_request_t **req) {
   if (!op) return CHORUS_ERR_NOMEM;
+  cuda_tag_op(comm, op);
   return engine_submit(comm, op, req);
 }
 

@@ -80,6 +80,7 @@ static int timeout_from(const chorus_comm_options_t *opts) {
 static void comm_free(struct chorus_comm *comm) {
   engine_stop(comm, 1);
   workers_stop(comm);
+  cuda_teardown(comm); /* before shm: it reads the peers' flags */
   for (int ch = 0; ch < CHAN_COUNT; ch++) {
     if (!comm->conns[ch]) continue;
     for (int p = 0; p < comm->nranks; p++)

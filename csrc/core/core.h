@@ -71,6 +71,16 @@ int chorus_log_enabled(int level, int subsys);
   X(SHM_THREADS, "SHM_THREADS", "int", "-1", 0,                                             \
     "Threads per rank (the engine's own included) that split big same-host copies and "      \
     "reductions; -1: half the host's cores divided by its local ranks, 1 to 4.")             \
+  X(CUDA_SCRATCH, "CUDA_SCRATCH", "size", "32M", 0,                                         \
+    "Bytes of device memory per rank that same-host peers map through CUDA IPC for device "   \
+    "collectives; messages are processed in chunks of half of it.")                          \
+  X(CUDA_IPC, "CUDA_IPC", "bool", "1", 0,                                                     \
+    "0: device collectives never map peers' memory; they are staged through pinned host "     \
+    "memory and the host algorithms (the path used between hosts).")                         \
+  X(CUDA_STREAM_WAIT, "CUDA_STREAM_WAIT", "bool", "0", 0,                                     \
+    "1: Work.wait() of a CUDA operation makes the caller's current stream wait and the host "  \
+    "goes on (ProcessGroupNCCL's semantics; not yet validated on a GPU); 0: the host waits "   \
+    "until the operation is done.")                                                          \
   X(SOCKET_SNDBUF, "SOCKET_SNDBUF", "size", "0", 0,                                          \
     "SO_SNDBUF/SO_RCVBUF for data sockets; 0 leaves the kernel's autotuning.")              \
   X(ALGO, "ALGO", "string", "", 1,                                                            \
@@ -351,6 +361,10 @@ struct op {
   int algo;                   /* collectives: enum algo_id chosen by algo_run (header flags) */
   int uniform;                /* all_to_all: issued as chorus_ialltoall (equal counts on every
                                * rank), so algorithms that need equal counts may be chosen */
+  int on_device;              /* buffers are CUDA memory of device `device` (cuda.c) */
+  int device;
+  void *start_event;          /* cudaEvent_t the op waits for before touching the buffers */
+  void *staging;              /* cuda.c: pinned host copy of a point-to-point payload */
   struct op *next;
 };
 
@@ -379,6 +393,7 @@ struct chorus_comm {
   struct tune_state *tune;    /* tune.c: model, overrides, what has been logged */
   struct workers *workers;    /* workers.c: helper threads, NULL until a big job needs them */
   int workers_tried;
+  struct cuda_state *cuda;    /* cuda.c: stream, IPC scratch, staging; NULL until used */
   conn_t **conns[CHAN_COUNT]; /* [channel][peer], NULL for self */
   struct shm_state *shm;
   struct sock_state *sock;
@@ -479,6 +494,40 @@ void tune_fini(struct chorus_comm *comm);
 chorus_result_t algo_run(struct chorus_comm *comm, struct op *op);
 /* p2p progress (engine.c) */
 chorus_result_t p2p_progress(struct chorus_comm *comm, int *progressed);
+
+/* ------------------------------------------------------ CUDA (cuda.c) */
+/* Builds without CHORUS_WITH_CUDA keep these entry points: an op can never be on a device
+ * there (chorus_cuda_begin refuses), so they are not reached. */
+/* Marks op as device memory when the calling thread is inside chorus_cuda_begin for comm. */
+void cuda_tag_op(struct chorus_comm *comm, struct op *op);
+/* Runs a device collective (engine thread): CUDA IPC over the direct-access algorithms
+ * when every rank is on this host and maps the others' scratch, else staged through
+ * pinned host memory and the host algorithms. */
+chorus_result_t cuda_run(struct chorus_comm *comm, struct op *op);
+/* Point-to-point on device memory, staged through pinned host memory (engine thread).
+ * send_ready: 0 while the op's start event is pending, 1 once op->staging holds the
+ * payload (sendbuf is then read from there). recv_begin points the receive at staging;
+ * recv_end copies it to the device buffer. release frees the staging. */
+chorus_result_t cuda_p2p_send_ready(struct chorus_comm *comm, struct op *op, int *ready);
+chorus_result_t cuda_p2p_recv_begin(struct chorus_comm *comm, struct op *op);
+chorus_result_t cuda_p2p_recv_end(struct chorus_comm *comm, struct op *op);
+void cuda_p2p_release(struct chorus_comm *comm, struct op *op);
+/* After the engine stopped: waits (briefly) until peers are done reading this rank's
+ * scratch, then frees every CUDA resource of comm. */
+void cuda_teardown(struct chorus_comm *comm);
+/* The direct-access algorithms (algo/shm_direct.c) on device memory: */
+size_t cuda_scratch_half(const struct chorus_comm *comm);
+void *cuda_scratch(struct chorus_comm *comm, int local, int half);
+chorus_result_t cuda_copy(struct chorus_comm *comm, void *dst, const void *src, size_t bytes);
+chorus_result_t cuda_reduce(struct chorus_comm *comm, void *out, const void *const *in, int n,
+                            size_t count, chorus_dtype_t dtype, chorus_op_kind_t kind,
+                            int divisor);
+chorus_result_t cuda_premul(struct chorus_comm *comm, void *out, const void *in, size_t count,
+                            chorus_dtype_t dtype, double factor);
+/* Waits (progressing the engine, so timeouts and aborts hold) until the device work queued
+ * so far is done: before a rank tells its peers that its scratch holds data, or that it is
+ * done reading theirs. */
+chorus_result_t cuda_drain(struct chorus_comm *comm, struct op *op);
 
 /* Error text helpers: "all_reduce seq 12 rank 3" etc. */
 int op_describe(const struct op *op, char *buf, size_t cap);

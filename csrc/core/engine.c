@@ -131,6 +131,7 @@ void chorus_request_free(chorus_request_t *req) {
 
 /* ---------------------------------------------------------------- ops */
 static void op_free(struct op *op) {
+  if (op->staging) cuda_p2p_release(NULL, op);
   free(op->counts);
   free(op->displs);
   free(op->counts2);
@@ -229,9 +230,17 @@ chorus_result_t p2p_progress(struct chorus_comm *comm, int *progressed) {
     while (comm->p2p_send[p]) {
       struct op *o = comm->p2p_send[p];
       if (s->tx_op != o) {
+        if (o->on_device) {
+          /* device memory goes out of a pinned host copy, made once the caller's stream
+           * has produced the data */
+          int ready = 0;
+          CHECK(cuda_p2p_send_ready(comm, o, &ready));
+          if (!ready) break;
+        }
         s->tx_op = o;
         o->seq = comm->p2p_send_seq[p]++;
-        msg_tx_init(&s->tx, c, o, o->sendbuf, o->count * dtype_size(o->dtype));
+        msg_tx_init(&s->tx, c, o, o->on_device ? o->staging : o->sendbuf,
+                    o->count * dtype_size(o->dtype));
         if (!now) now = now_ns();
         o->deadline_ns = now + (int64_t)comm->timeout_ms * 1000000LL;
         atomic_store(&o->req->state, REQ_STARTED);
@@ -278,13 +287,15 @@ chorus_result_t p2p_progress(struct chorus_comm *comm, int *progressed) {
         s->probing = 0;
         s->rx_op = o;
         o->req->source = p;
+        if (o->on_device) CHECK(cuda_p2p_recv_begin(comm, o));
         if (!now) now = now_ns();
         o->deadline_ns = now + (int64_t)comm->timeout_ms * 1000000LL;
         atomic_store(&o->req->state, REQ_STARTED);
       }
       struct op *o = s->rx_op;
-      CHECK(msg_rx_copy(&s->rx, o->recvbuf, progressed));
+      CHECK(msg_rx_copy(&s->rx, o->on_device ? o->staging : o->recvbuf, progressed));
       if (!s->rx.done) break;
+      if (o->on_device) CHECK(cuda_p2p_recv_end(comm, o));
       comm->p2p_recv[p] = o->next;
       s->rx_op = NULL;
       op_finish(comm, o, CHORUS_SUCCESS);
@@ -508,7 +519,7 @@ static void *engine_main(void *arg) {
         op->deadline_ns = now_ns() + (int64_t)comm->timeout_ms * 1000000LL;
         TRACE(SUB_COLL, comm->rank, "%s seq %llu count %zu %s", op_kind_name(op->kind),
               (unsigned long long)op->seq, op->count, chorus_dtype_name(op->dtype));
-        res = algo_run(comm, op);
+        res = op->on_device ? cuda_run(comm, op) : algo_run(comm, op);
         if (res != CHORUS_SUCCESS) comm->failed_seq = op->seq;
         if (res != CHORUS_SUCCESS && !atomic_load(&comm->failed)) {
           char d[200];

@@ -1,0 +1,702 @@
+/* cuda.c - operations on CUDA device memory. The caller's stream order is kept with an
+ * event (chorus_cuda_begin): the communicator's own stream waits for it, so the caller never
+ * blocks. Collectives then take one of two paths, the same decision on every rank:
+ *   CUDA IPC: every rank of the communicator is on this host. Each rank owns a device
+ *     scratch area of two halves that all peers map (cudaIpcOpenMemHandle), and the
+ *     direct-access algorithms of algo/shm_direct.c run over it with device copies and the
+ *     reduction kernels (kernels/reduce.cu). Ranks synchronise through the host: the engine
+ *     drains its stream, then raises the same shared-memory flags the host algorithms use.
+ *     No kernel ever spins on another process's memory, so several ranks may share one GPU
+ *     (their kernels time-slice and would never see each other's progress).
+ *   staged: the data goes through pinned host memory and the host algorithms (between hosts,
+ *     with CHORUS_CUDA_IPC=0, or where peers cannot map each other).
+ * Point-to-point messages are always staged. Without CHORUS_WITH_CUDA only the entry points
+ * remain: chorus_cuda_begin refuses, so no op is ever on a device. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "algo/algo.h"
+#include "core.h"
+
+/* The calling thread's chorus_cuda_begin scope. */
+static _Thread_local struct {
+  chorus_comm_t *comm;
+  int device;
+  void *event;
+} scope;
+
+static void cuda_prepare(struct chorus_comm *comm, const struct op *op);
+
+void cuda_tag_op(struct chorus_comm *comm, struct op *op) {
+  if (scope.comm != comm || op->kind == OP_BARRIER) return;
+  op->on_device = 1;
+  op->device = scope.device;
+  op->start_event = scope.event;
+  cuda_prepare(comm, op);
+}
+
+#ifndef CHORUS_WITH_CUDA
+
+static void cuda_prepare(struct chorus_comm *comm, const struct op *op) {
+  (void)comm;
+  (void)op;
+}
+
+int chorus_cuda_built(void) { return 0; }
+int chorus_cuda_ready(chorus_comm_t *comm) {
+  (void)comm;
+  return 0;
+}
+int chorus_cuda_stream_wait(void) { return (int)param_int(PARAM_CUDA_STREAM_WAIT); }
+
+chorus_result_t chorus_cuda_begin(chorus_comm_t *comm, int device, void *event) {
+  (void)comm;
+  (void)device;
+  (void)event;
+  comm_set_error(NULL, CHORUS_ERR_UNSUPPORTED,
+                 "this build of chorus has no CUDA support (built without CUDA)");
+  return CHORUS_ERR_UNSUPPORTED;
+}
+
+chorus_result_t chorus_cuda_end(chorus_comm_t *comm) {
+  (void)comm;
+  return CHORUS_ERR_UNSUPPORTED;
+}
+
+static chorus_result_t no_cuda(struct chorus_comm *comm) {
+  return comm_set_error(comm, CHORUS_ERR_UNSUPPORTED, "rank %d: device operation in a build "
+                        "without CUDA", comm->rank);
+}
+chorus_result_t cuda_run(struct chorus_comm *comm, struct op *op) {
+  (void)op;
+  return no_cuda(comm);
+}
+chorus_result_t cuda_p2p_send_ready(struct chorus_comm *comm, struct op *op, int *ready) {
+  (void)op;
+  *ready = 0;
+  return no_cuda(comm);
+}
+chorus_result_t cuda_p2p_recv_begin(struct chorus_comm *comm, struct op *op) {
+  (void)op;
+  return no_cuda(comm);
+}
+chorus_result_t cuda_p2p_recv_end(struct chorus_comm *comm, struct op *op) {
+  (void)op;
+  return no_cuda(comm);
+}
+void cuda_p2p_release(struct chorus_comm *comm, struct op *op) {
+  (void)comm;
+  (void)op;
+}
+void cuda_teardown(struct chorus_comm *comm) { (void)comm; }
+size_t cuda_scratch_half(const struct chorus_comm *comm) {
+  (void)comm;
+  return 0;
+}
+void *cuda_scratch(struct chorus_comm *comm, int local, int half) {
+  (void)comm;
+  (void)local;
+  (void)half;
+  return NULL;
+}
+chorus_result_t cuda_copy(struct chorus_comm *comm, void *dst, const void *src, size_t bytes) {
+  (void)dst;
+  (void)src;
+  (void)bytes;
+  return no_cuda(comm);
+}
+chorus_result_t cuda_reduce(struct chorus_comm *comm, void *out, const void *const *in, int n,
+                            size_t count, chorus_dtype_t dtype, chorus_op_kind_t kind,
+                            int divisor) {
+  (void)out;
+  (void)in;
+  (void)n;
+  (void)count;
+  (void)dtype;
+  (void)kind;
+  (void)divisor;
+  return no_cuda(comm);
+}
+chorus_result_t cuda_premul(struct chorus_comm *comm, void *out, const void *in, size_t count,
+                            chorus_dtype_t dtype, double factor) {
+  (void)out;
+  (void)in;
+  (void)count;
+  (void)dtype;
+  (void)factor;
+  return no_cuda(comm);
+}
+chorus_result_t cuda_drain(struct chorus_comm *comm, struct op *op) {
+  (void)op;
+  return no_cuda(comm);
+}
+
+#else /* CHORUS_WITH_CUDA */
+
+#include <cuda_runtime_api.h>
+
+#include "cuda_kernels.h"
+
+/* all_reduce up to this size reduces every input on every rank (one synchronisation);
+ * above it each rank reduces its slice and gathers the others (two). */
+#define CUDA_ONESHOT_MAX ((size_t)256 << 10)
+/* How long destroy waits for peers to finish reading this rank's scratch. */
+#define TEARDOWN_WAIT_MS 2000
+
+struct cuda_state {
+  int device;
+  cudaStream_t stream;   /* collectives */
+  cudaStream_t p2p;      /* staging copies of point-to-point messages */
+  int ipc_tried, ipc_ok;
+  uint8_t *scratch;      /* this rank's two halves */
+  size_t half;
+  uint8_t **peer;        /* [local rank] -> mapped scratch (own included), NULL if unmapped */
+  void *pinned;          /* staging of the staged path: CUDA_SCRATCH bytes, made in setup */
+  size_t pinned_cap;
+  void *big;             /* pageable staging for what does not fit in `pinned` */
+  size_t big_cap;
+  _Atomic int ready;     /* setup done: no call from now on synchronises the device */
+};
+
+int chorus_cuda_built(void) { return 1; }
+
+/* A caller's stream may wait (cuStreamWaitValue64) for an operation the engine thread has
+ * not finished. Any CUDA call that synchronises the whole device (cudaFree, cudaFreeHost,
+ * cudaHostAlloc, the IPC mapping calls) made on the engine thread would then wait for that
+ * stream, which waits for the engine thread: a deadlock. So they all happen in
+ * cuda_prepare, on the thread that submits the first device operation (and the first
+ * device collective), and at teardown; the engine thread only queues work, queries streams
+ * and events, and waits for its own streams. */
+int chorus_cuda_ready(chorus_comm_t *comm) {
+  return comm && comm->cuda && atomic_load(&comm->cuda->ready);
+}
+int chorus_cuda_stream_wait(void) { return (int)param_int(PARAM_CUDA_STREAM_WAIT); }
+
+chorus_result_t chorus_cuda_begin(chorus_comm_t *comm, int device, void *event) {
+  if (!comm) {
+    comm_set_error(NULL, CHORUS_ERR_INVALID, "chorus_cuda_begin: communicator is NULL");
+    return CHORUS_ERR_INVALID;
+  }
+  if (scope.comm) {
+    comm_set_error(NULL, CHORUS_ERR_INVALID, "chorus_cuda_begin: already inside a scope on "
+                   "this thread (rank %d)", comm->rank);
+    return CHORUS_ERR_INVALID;
+  }
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || device < 0 || device >= ndev) {
+    comm_set_error(NULL, CHORUS_ERR_INVALID, "chorus_cuda_begin: rank %d: no CUDA device %d "
+                   "(%d visible)", comm->rank, device, ndev);
+    return CHORUS_ERR_INVALID;
+  }
+  if (comm->cuda && comm->cuda->device != device) {
+    comm_set_error(NULL, CHORUS_ERR_INVALID, "rank %d: this communicator serves cuda:%d; "
+                   "tensors on cuda:%d need a group of their own", comm->rank,
+                   comm->cuda->device, device);
+    return CHORUS_ERR_INVALID;
+  }
+  scope.comm = comm;
+  scope.device = device;
+  scope.event = event;
+  return CHORUS_SUCCESS;
+}
+
+chorus_result_t chorus_cuda_end(chorus_comm_t *comm) {
+  if (scope.comm != comm) return CHORUS_ERR_INVALID;
+  scope.comm = NULL;
+  scope.event = NULL;
+  return CHORUS_SUCCESS;
+}
+
+static chorus_result_t cuda_fail(struct chorus_comm *comm, const struct op *op, cudaError_t e,
+                                 const char *what) {
+  char d[200];
+  op_describe(op, d, sizeof d);
+  return comm_set_error(comm, CHORUS_ERR_SYSTEM, "%s on rank %d: %s failed: %s (%s)", d,
+                        comm->rank, what, cudaGetErrorName(e), cudaGetErrorString(e));
+}
+#define CU(comm, op, call, what)                                      \
+  do {                                                                \
+    cudaError_t e_ = (call);                                          \
+    if (e_ != cudaSuccess) return cuda_fail((comm), (op), e_, what);  \
+  } while (0)
+
+/* The communicator's CUDA state, as the engine thread sees it: made by cuda_prepare on the
+ * submitting thread before the first device operation was queued. */
+static chorus_result_t state_get(struct chorus_comm *comm, const struct op *op,
+                                 struct cuda_state **out) {
+  static _Thread_local int thread_device = -1;
+  struct cuda_state *st = comm->cuda;
+  if (!st || !atomic_load(&st->ready)) {
+    char d[200];
+    op_describe(op, d, sizeof d);
+    return comm_set_error(comm, CHORUS_ERR_SYSTEM, "%s on rank %d: the communicator's CUDA "
+                          "setup failed (see the first error)", d, comm->rank);
+  }
+  if (st->device != op->device)
+    return comm_set_error(comm, CHORUS_ERR_INVALID, "rank %d: this communicator serves "
+                          "cuda:%d; an operation on cuda:%d needs a group of its own",
+                          comm->rank, st->device, op->device);
+  if (thread_device != st->device) {
+    CU(comm, op, cudaSetDevice(st->device), "cudaSetDevice");
+    thread_device = st->device;
+  }
+  *out = st;
+  return CHORUS_SUCCESS;
+}
+
+/* ------------------------------------------------------------------ CUDA IPC setup */
+struct ipc_card {
+  int32_t ok;       /* scratch allocated and exported */
+  int32_t device;
+  int32_t pci_bus, pci_dev;
+  cudaIpcMemHandle_t handle;
+};
+
+static void ipc_release(struct cuda_state *st, int nlocal, int me) {
+  for (int l = 0; l < nlocal; l++)
+    if (st->peer[l] && l != me) cudaIpcCloseMemHandle(st->peer[l]);
+  memset(st->peer, 0, (size_t)nlocal * sizeof(uint8_t *));
+  if (st->scratch) cudaFree(st->scratch);
+  st->scratch = NULL;
+  st->ipc_ok = 0;
+}
+
+/* How this rank reaches the device of a peer, for the log. */
+static const char *link_name(int mine, int theirs) {
+  if (mine == theirs) return "same GPU";
+  int can = 0;
+  if (cudaDeviceCanAccessPeer(&can, mine, theirs) != cudaSuccess || !can) return "no P2P";
+  return "P2P";
+}
+
+/* Collective over the communicator (every rank reaches it at the same device collective):
+ * allocate and export the scratch, map every peer's, and agree whether all of it worked. */
+static chorus_result_t ipc_setup(struct chorus_comm *comm, struct cuda_state *st,
+                                 const struct op *op) {
+  st->ipc_tried = 1;
+  const int me = comm->local_rank_of[comm->rank];
+  if (!comm->shm || comm->nlocal != comm->nranks || comm->nranks < 2 ||
+      comm->nranks > CUDA_REDUCE_MAX_IN || !param_int(PARAM_CUDA_IPC)) {
+    INFO(SUB_TRANSPORT, comm->rank, "cuda: device collectives staged through host memory (%s)",
+         !param_int(PARAM_CUDA_IPC) ? "CHORUS_CUDA_IPC=0"
+         : comm->nranks < 2         ? "one rank"
+         : comm->nlocal != comm->nranks ? "ranks on several hosts"
+         : !comm->shm               ? "shared memory disabled"
+                                    : "more ranks than one reduction reads");
+    return CHORUS_SUCCESS;
+  }
+  int64_t total = param_int(PARAM_CUDA_SCRATCH);
+  st->half = (size_t)(total > 0 ? total : 0) / 2;
+  st->half -= st->half % 4096;
+  struct ipc_card mine = {0};
+  mine.device = st->device;
+  cudaDeviceGetAttribute(&mine.pci_bus, cudaDevAttrPciBusId, st->device);
+  cudaDeviceGetAttribute(&mine.pci_dev, cudaDevAttrPciDeviceId, st->device);
+  if (st->half >= 4096 && cudaMalloc((void **)&st->scratch, 2 * st->half) == cudaSuccess &&
+      cudaIpcGetMemHandle(&mine.handle, st->scratch) == cudaSuccess)
+    mine.ok = 1;
+  cudaGetLastError(); /* a failure above is reported through the agreement, not later */
+  struct ipc_card *all = calloc((size_t)comm->nranks, sizeof *all);
+  int32_t *oks = calloc((size_t)comm->nranks, sizeof *oks);
+  chorus_result_t res = CHORUS_SUCCESS;
+  if (!all || !oks) {
+    res = comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d: out of memory", comm->rank);
+    goto out;
+  }
+  CHECK_GOTO(bs_allgather(comm, "cuda-ipc", &mine, all, sizeof mine), res, out);
+  int32_t ok = 1;
+  char links[256] = "";
+  size_t used = 0;
+  for (int p = 0; p < comm->nranks; p++) {
+    if (!all[p].ok) ok = 0;
+    if (p == comm->rank || !ok) continue;
+    void *ptr = NULL;
+    if (cudaIpcOpenMemHandle(&ptr, all[p].handle, cudaIpcMemLazyEnablePeerAccess) !=
+        cudaSuccess) {
+      cudaGetLastError();
+      INFO(SUB_TRANSPORT, comm->rank, "cuda: cannot map the scratch of rank %d (cuda:%d, %s)",
+           p, all[p].device, link_name(st->device, all[p].device));
+      ok = 0;
+      continue;
+    }
+    st->peer[comm->local_rank_of[p]] = ptr;
+    if (used + 40 < sizeof links)
+      used += (size_t)snprintf(links + used, sizeof links - used, "%s%d:%s", used ? " " : "", p,
+                               link_name(st->device, all[p].device));
+  }
+  st->peer[me] = st->scratch;
+  CHECK_GOTO(bs_allgather(comm, "cuda-ipc-ok", &ok, oks, sizeof ok), res, out);
+  st->ipc_ok = 1;
+  for (int p = 0; p < comm->nranks; p++)
+    if (!oks[p]) st->ipc_ok = 0;
+  if (st->ipc_ok)
+    INFO(SUB_TRANSPORT, comm->rank, "cuda: rank %d on cuda:%d maps %d peers through CUDA IPC "
+         "(%s), scratch 2 x %zu bytes", comm->rank, st->device, comm->nranks - 1, links,
+         st->half);
+  else
+    INFO(SUB_TRANSPORT, comm->rank, "cuda: a rank cannot map its peers' memory: device "
+         "collectives staged through host memory");
+out:
+  if (!st->ipc_ok) ipc_release(st, comm->nlocal, me);
+  free(all);
+  free(oks);
+  (void)op;
+  return res;
+}
+
+/* ------------------------------------------------------------------ pieces for shm_direct */
+size_t cuda_scratch_half(const struct chorus_comm *comm) {
+  return comm->cuda && comm->cuda->ipc_ok ? comm->cuda->half : 0;
+}
+
+void *cuda_scratch(struct chorus_comm *comm, int local, int half) {
+  return comm->cuda->peer[local] + (size_t)half * comm->cuda->half;
+}
+
+chorus_result_t cuda_copy(struct chorus_comm *comm, void *dst, const void *src, size_t bytes) {
+  if (!bytes) return CHORUS_SUCCESS;
+  CU(comm, comm->current, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault,
+                                          comm->cuda->stream), "cudaMemcpyAsync");
+  return CHORUS_SUCCESS;
+}
+
+chorus_result_t cuda_reduce(struct chorus_comm *comm, void *out, const void *const *in, int n,
+                            size_t count, chorus_dtype_t dtype, chorus_op_kind_t kind,
+                            int divisor) {
+  cudaError_t e = (cudaError_t)chorus_cuda_reduce(out, in, n, count, dtype, kind, divisor,
+                                                  comm->cuda->stream);
+  if (e != cudaSuccess) return cuda_fail(comm, comm->current, e, "reduction kernel");
+  return CHORUS_SUCCESS;
+}
+
+chorus_result_t cuda_premul(struct chorus_comm *comm, void *out, const void *in, size_t count,
+                            chorus_dtype_t dtype, double factor) {
+  cudaError_t e = (cudaError_t)chorus_cuda_premul(out, in, count, dtype, factor,
+                                                  comm->cuda->stream);
+  if (e != cudaSuccess) return cuda_fail(comm, comm->current, e, "premul kernel");
+  return CHORUS_SUCCESS;
+}
+
+static chorus_result_t drain_stream(struct chorus_comm *comm, struct op *op, cudaStream_t s) {
+  int idle = 0;
+  for (;;) {
+    cudaError_t e = cudaStreamQuery(s);
+    if (e == cudaSuccess) return CHORUS_SUCCESS;
+    if (e != cudaErrorNotReady) return cuda_fail(comm, op, e, "device work");
+    CHECK(engine_poll(comm, op, &idle));
+  }
+}
+
+chorus_result_t cuda_drain(struct chorus_comm *comm, struct op *op) {
+  return drain_stream(comm, op, comm->cuda->stream);
+}
+
+/* ------------------------------------------------------------------ the staged path */
+/* The pinned buffer is made in setup (pinned_setup); bigger staging uses pageable memory,
+ * grown with realloc (no CUDA call): copies from and to it are slower but never synchronise
+ * the device. */
+static chorus_result_t pinned_setup(struct chorus_comm *comm, struct cuda_state *st,
+                                    const struct op *op) {
+  size_t cap = (size_t)param_int(PARAM_CUDA_SCRATCH);
+  if (cap < ((size_t)1 << 20)) cap = (size_t)1 << 20;
+  CU(comm, op, cudaHostAlloc(&st->pinned, cap, cudaHostAllocPortable),
+     "cudaHostAlloc of the staging buffer");
+  st->pinned_cap = cap;
+  return CHORUS_SUCCESS;
+}
+
+static chorus_result_t staging_for(struct chorus_comm *comm, struct cuda_state *st,
+                                   const struct op *op, size_t bytes, uint8_t **out) {
+  if (bytes <= st->pinned_cap) {
+    *out = st->pinned;
+    return CHORUS_SUCCESS;
+  }
+  if (bytes > st->big_cap) {
+    void *p = realloc(st->big, bytes);
+    if (!p) {
+      char d[200];
+      op_describe(op, d, sizeof d);
+      return comm_set_error(comm, CHORUS_ERR_NOMEM, "%s on rank %d: out of host memory for "
+                            "%zu bytes of staging", d, comm->rank, bytes);
+    }
+    st->big = p;
+    st->big_cap = bytes;
+  }
+  *out = st->big;
+  return CHORUS_SUCCESS;
+}
+
+/* On the thread that submits a device operation, before it is queued: the calls that may
+ * synchronise the device (see chorus_cuda_ready) happen here, where blocking for a moment
+ * is harmless, never on the engine thread. Makes the state at the first device operation
+ * and sets up CUDA IPC at the first device collective (a collective step: every rank
+ * submits its collectives in the same order). A failure fails the communicator. */
+static void cuda_prepare(struct chorus_comm *comm, const struct op *op) {
+  struct cuda_state *st = comm->cuda;
+  const int collective = op->kind != OP_SEND && op->kind != OP_RECV;
+  if (st && (st->ipc_tried || !collective)) return;
+  int old = -1;
+  if (cudaGetDevice(&old) != cudaSuccess) old = -1;
+  cudaError_t e = cudaSetDevice(op->device);
+  if (e != cudaSuccess) {
+    cuda_fail(comm, op, e, "cudaSetDevice");
+    return;
+  }
+  if (!st) {
+    st = calloc(1, sizeof *st);
+    if (st) st->peer = calloc((size_t)comm->nlocal, sizeof(uint8_t *));
+    if (!st || !st->peer) {
+      free(st);
+      comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d: out of memory", comm->rank);
+      goto restore;
+    }
+    st->device = op->device;
+    comm->cuda = st;
+    if ((e = cudaStreamCreateWithFlags(&st->stream, cudaStreamNonBlocking)) != cudaSuccess ||
+        (e = cudaStreamCreateWithFlags(&st->p2p, cudaStreamNonBlocking)) != cudaSuccess) {
+      cuda_fail(comm, op, e, "cudaStreamCreate");
+      goto restore;
+    }
+    if (pinned_setup(comm, st, op) != CHORUS_SUCCESS) goto restore;
+    atomic_store(&st->ready, 1);
+  }
+  if (collective && !st->ipc_tried) ipc_setup(comm, st, op);
+restore:
+  if (old >= 0 && old != op->device) cudaSetDevice(old);
+}
+
+static size_t extent(const size_t *counts, const size_t *displs, int n) {
+  size_t e = 0;
+  for (int p = 0; p < n; p++)
+    if (counts[p] && displs[p] + counts[p] > e) e = displs[p] + counts[p];
+  return e;
+}
+
+/* Bytes of input (sbytes) and output (rbytes) this rank has in op. */
+static void extents(const struct chorus_comm *comm, const struct op *op, size_t *sbytes,
+                    size_t *rbytes) {
+  const size_t es = dtype_size(op->dtype);
+  const int n = comm->nranks, root_me = comm->rank == op->root;
+  size_t s = 0, r = 0;
+  switch (op->kind) {
+    case OP_ALLREDUCE: s = r = op->count; break;
+    case OP_BROADCAST: s = r = op->count; break;
+    case OP_REDUCE: s = op->count; r = root_me ? op->count : 0; break;
+    case OP_ALLGATHER: s = op->counts[comm->rank]; r = extent(op->counts, op->displs, n); break;
+    case OP_REDUCE_SCATTER: s = op->count; r = op->counts[comm->rank]; break;
+    case OP_GATHER: s = op->count; r = root_me ? op->count * (size_t)n : 0; break;
+    case OP_SCATTER: s = root_me ? op->count * (size_t)n : 0; r = op->count; break;
+    case OP_ALLTOALL:
+      s = extent(op->counts, op->displs, n);
+      r = extent(op->counts2, op->displs2, n);
+      break;
+    default: break;
+  }
+  *sbytes = op->sendbuf ? s * es : 0;
+  *rbytes = op->recvbuf ? r * es : 0;
+}
+
+static int inside(const void *p, const void *base, size_t len) {
+  return p && base && (const uint8_t *)p >= (const uint8_t *)base &&
+         (const uint8_t *)p < (const uint8_t *)base + len;
+}
+
+static chorus_result_t copy_back(struct chorus_comm *comm, struct cuda_state *st,
+                                 struct op *op, uint8_t *hrecv, size_t rbytes) {
+  const size_t es = dtype_size(op->dtype);
+  uint8_t *d = op->recvbuf;
+  const size_t *c = op->kind == OP_ALLGATHER ? op->counts
+                    : op->kind == OP_ALLTOALL ? op->counts2 : NULL;
+  const size_t *o = op->kind == OP_ALLGATHER ? op->displs
+                    : op->kind == OP_ALLTOALL ? op->displs2 : NULL;
+  if (!c) {
+    CU(comm, op, cudaMemcpyAsync(d, hrecv, rbytes, cudaMemcpyHostToDevice, st->stream),
+       "cudaMemcpyAsync to the device");
+    return CHORUS_SUCCESS;
+  }
+  /* only the pieces the collective writes: gaps between them keep the caller's data */
+  for (int p = 0; p < comm->nranks; p++)
+    if (c[p])
+      CU(comm, op, cudaMemcpyAsync(d + o[p] * es, hrecv + o[p] * es, c[p] * es,
+                                   cudaMemcpyHostToDevice, st->stream),
+         "cudaMemcpyAsync to the device");
+  return CHORUS_SUCCESS;
+}
+
+static chorus_result_t staged(struct chorus_comm *comm, struct cuda_state *st, struct op *op) {
+  size_t sbytes, rbytes;
+  extents(comm, op, &sbytes, &rbytes);
+  const size_t ralign = (rbytes + 63) & ~(size_t)63;
+  /* in-place forms keep their aliasing in host memory: input inside the output (all_gather
+   * into a tensor, all_reduce), or output inside the input (reduce_scatter into a chunk) */
+  int send_in_recv = sbytes && inside(op->sendbuf, op->recvbuf, rbytes) &&
+                     (const uint8_t *)op->sendbuf + sbytes <= (uint8_t *)op->recvbuf + rbytes;
+  int recv_in_send = !send_in_recv && rbytes && inside(op->recvbuf, op->sendbuf, sbytes) &&
+                     (uint8_t *)op->recvbuf + rbytes <= (const uint8_t *)op->sendbuf + sbytes;
+  size_t need = send_in_recv ? ralign : recv_in_send ? sbytes : ralign + sbytes;
+  uint8_t *base = NULL;
+  CHECK(staging_for(comm, st, op, need, &base));
+  uint8_t *hrecv, *hsend;
+  if (send_in_recv) {
+    hrecv = base;
+    hsend = base + ((const uint8_t *)op->sendbuf - (uint8_t *)op->recvbuf);
+  } else if (recv_in_send) {
+    hsend = base;
+    hrecv = base + ((uint8_t *)op->recvbuf - (const uint8_t *)op->sendbuf);
+  } else {
+    hrecv = base;
+    hsend = base + ralign;
+  }
+  if (op->kind == OP_BROADCAST) hsend = hrecv;
+  const int has_input = sbytes && (op->kind != OP_BROADCAST || comm->rank == op->root);
+  if (has_input)
+    CU(comm, op, cudaMemcpyAsync(hsend, op->sendbuf, sbytes, cudaMemcpyDeviceToHost,
+                                 st->stream), "cudaMemcpyAsync from the device");
+  CHECK(drain_stream(comm, op, st->stream));
+  const void *dsend = op->sendbuf;
+  void *drecv = op->recvbuf;
+  op->sendbuf = op->sendbuf ? hsend : NULL;
+  op->recvbuf = op->recvbuf ? hrecv : NULL;
+  op->on_device = 0; /* the host algorithms see host memory */
+  chorus_result_t res = algo_run(comm, op);
+  op->on_device = 1;
+  op->sendbuf = dsend;
+  op->recvbuf = drecv;
+  CHECK(res);
+  if (rbytes) CHECK(copy_back(comm, st, op, hrecv, rbytes));
+  return drain_stream(comm, op, st->stream);
+}
+
+/* ------------------------------------------------------------------ collectives */
+chorus_result_t cuda_run(struct chorus_comm *comm, struct op *op) {
+  struct cuda_state *st = NULL;
+  CHECK(state_get(comm, op, &st));
+  if (op->start_event)
+    CU(comm, op, cudaStreamWaitEvent(st->stream, (cudaEvent_t)op->start_event, 0),
+       "cudaStreamWaitEvent on the caller's event");
+  chorus_result_t (*fn)(struct chorus_comm *, struct op *) = NULL;
+  int id = ALGO_ONESHOT;
+  if (st->ipc_ok) {
+    switch (op->kind) {
+      case OP_ALLREDUCE:
+        if (op->count * dtype_size(op->dtype) > CUDA_ONESHOT_MAX) id = ALGO_TWOSHOT;
+        fn = id == ALGO_TWOSHOT ? twoshot_allreduce : oneshot_allreduce;
+        break;
+      case OP_REDUCE: fn = oneshot_reduce; break;
+      case OP_BROADCAST: fn = oneshot_broadcast; break;
+      case OP_ALLGATHER: fn = oneshot_allgatherv; break;
+      case OP_REDUCE_SCATTER: fn = oneshot_reduce_scatterv; break;
+      case OP_ALLTOALL: fn = oneshot_alltoall; break;
+      default: break;
+    }
+    if (fn && !shm_direct_ok(comm, op, id)) fn = NULL;
+  }
+  if (!fn) {
+    TRACE(SUB_COLL, comm->rank, "cuda: %s seq %llu staged through host memory",
+          op_kind_name(op->kind), (unsigned long long)op->seq);
+    return staged(comm, st, op);
+  }
+  op->algo = id;
+  comm->last_algo = id;
+  TRACE(SUB_COLL, comm->rank, "cuda: %s seq %llu %s over CUDA IPC", op_kind_name(op->kind),
+        (unsigned long long)op->seq, algo_name(id));
+  CHECK(fn(comm, op));
+  return drain_stream(comm, op, st->stream);
+}
+
+/* ------------------------------------------------------------------ point-to-point */
+static chorus_result_t p2p_staging(struct chorus_comm *comm, struct op *op) {
+  /* pageable: cudaHostAlloc and cudaFreeHost would synchronise the device (see
+   * chorus_cuda_ready) */
+  size_t bytes = op->count * dtype_size(op->dtype);
+  op->staging = malloc(bytes ? bytes : 1);
+  if (!op->staging) {
+    char d[200];
+    op_describe(op, d, sizeof d);
+    return comm_set_error(comm, CHORUS_ERR_NOMEM, "%s on rank %d: out of host memory for "
+                          "%zu bytes of staging", d, comm->rank, bytes);
+  }
+  return CHORUS_SUCCESS;
+}
+
+chorus_result_t cuda_p2p_send_ready(struct chorus_comm *comm, struct op *op, int *ready) {
+  *ready = 0;
+  if (op->staging) {
+    *ready = 1;
+    return CHORUS_SUCCESS;
+  }
+  struct cuda_state *st = NULL;
+  CHECK(state_get(comm, op, &st));
+  if (op->start_event) {
+    /* polled, so that a send whose data is not produced yet holds up nothing else */
+    cudaError_t e = cudaEventQuery((cudaEvent_t)op->start_event);
+    if (e == cudaErrorNotReady) return CHORUS_SUCCESS;
+    if (e != cudaSuccess) return cuda_fail(comm, op, e, "the caller's event");
+  }
+  CHECK(p2p_staging(comm, op));
+  size_t bytes = op->count * dtype_size(op->dtype);
+  if (bytes)
+    CU(comm, op, cudaMemcpyAsync(op->staging, op->sendbuf, bytes, cudaMemcpyDeviceToHost,
+                                 st->p2p), "cudaMemcpyAsync from the device");
+  CU(comm, op, cudaStreamSynchronize(st->p2p), "cudaStreamSynchronize");
+  *ready = 1;
+  return CHORUS_SUCCESS;
+}
+
+chorus_result_t cuda_p2p_recv_begin(struct chorus_comm *comm, struct op *op) {
+  struct cuda_state *st = NULL;
+  CHECK(state_get(comm, op, &st));
+  return p2p_staging(comm, op);
+}
+
+chorus_result_t cuda_p2p_recv_end(struct chorus_comm *comm, struct op *op) {
+  struct cuda_state *st = NULL;
+  CHECK(state_get(comm, op, &st));
+  size_t bytes = op->count * dtype_size(op->dtype);
+  /* the caller's stream may use the buffer until the point the receive was posted at */
+  if (op->start_event)
+    CU(comm, op, cudaStreamWaitEvent(st->p2p, (cudaEvent_t)op->start_event, 0),
+       "cudaStreamWaitEvent on the caller's event");
+  if (bytes)
+    CU(comm, op, cudaMemcpyAsync(op->recvbuf, op->staging, bytes, cudaMemcpyHostToDevice,
+                                 st->p2p), "cudaMemcpyAsync to the device");
+  CU(comm, op, cudaStreamSynchronize(st->p2p), "cudaStreamSynchronize");
+  return CHORUS_SUCCESS;
+}
+
+void cuda_p2p_release(struct chorus_comm *comm, struct op *op) {
+  (void)comm;
+  free(op->staging);
+  op->staging = NULL;
+}
+
+/* ------------------------------------------------------------------ teardown */
+void cuda_teardown(struct chorus_comm *comm) {
+  struct cuda_state *st = comm->cuda;
+  if (!st) return;
+  cudaSetDevice(st->device);
+  if (st->ipc_ok && comm->shm) {
+    /* peers may still read this rank's scratch for the last chunks: wait (bounded, a peer
+     * may be dead) until each says it is done with every generation this rank reached */
+    int64_t end = now_ns() + (int64_t)TEARDOWN_WAIT_MS * 1000000LL;
+    for (int p = 0; p < comm->nranks; p++) {
+      if (p == comm->rank) continue;
+      struct shm_flags *f = shm_flags_of(comm, comm->local_rank_of[p]);
+      while (atomic_load_explicit(&f->done, memory_order_acquire) < comm->dgen &&
+             now_ns() < end && !atomic_load(&comm->failed))
+        shm_wait_doorbell(comm, shm_doorbell_value(comm), 1000);
+    }
+  }
+  if (st->stream) cudaStreamSynchronize(st->stream);
+  ipc_release(st, comm->nlocal, comm->local_rank_of[comm->rank]);
+  if (st->stream) cudaStreamDestroy(st->stream);
+  if (st->p2p) cudaStreamDestroy(st->p2p);
+  if (st->pinned) cudaFreeHost(st->pinned);
+  free(st->big);
+  free(st->peer);
+  free(st);
+  comm->cuda = NULL;
+}
+
+#endif /* CHORUS_WITH_CUDA */
