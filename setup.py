@@ -43,7 +43,7 @@ CORE_HEADERS = rel_glob(f"{CORE}/*.h", f"{CORE}/include/*.h", f"{CORE}/algo/*.h"
                         f"{CORE}/transport/*.h")
 BINDING_SOURCES = rel_glob("csrc/bindings/*.cpp")
 BINDING_HEADERS = rel_glob("csrc/bindings/*.hpp")
-# CUDA kernels of the core (none yet). They are built by nvcc inside the extension.
+# CUDA kernels of the core, built by nvcc inside the extension.
 CUDA_SOURCES = rel_glob(f"{CORE}/kernels/*.cu", "csrc/bindings/*.cu")
 
 C_FLAGS = ["-std=c11", "-O3", "-Wall", "-Wextra", "-Werror", "-D_GNU_SOURCE", "-pthread"]
@@ -108,15 +108,25 @@ def build():
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     use_cuda = want_cuda()
-    include_dirs = [os.path.join(ROOT, CORE, "include")]
+    include_dirs = [os.path.join(ROOT, CORE, "include"), os.path.join(ROOT, CORE)]
+    core_includes = [os.path.join(CORE, "include"), CORE]
     sources = list(BINDING_SOURCES)
     macros = []
     extra = {"cxx": list(CXX_FLAGS)}
     if use_cuda:
         sources += CUDA_SOURCES
         macros.append(("CHORUS_WITH_CUDA", "1"))
-        extra["nvcc"] = ["-O3"]
+        # Hopper machine code plus PTX (a newer GPU compiles it at load); CHORUS_CUDA_ARCH
+        # overrides, e.g. "80;90".
+        archs = os.environ.get("CHORUS_CUDA_ARCH", "90").replace(",", ";").split(";")
+        gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs if a]
+        gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
+        extra["nvcc"] = ["-O3", "-std=c++17"] + gencode
         ext_cls = CUDAExtension
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        if CUDA_HOME:
+            core_includes.append(os.path.join(CUDA_HOME, "include"))
     else:
         ext_cls = CppExtension
 
@@ -138,7 +148,7 @@ def build():
         "chorus_core",
         {
             "sources": CORE_SOURCES,
-            "include_dirs": [os.path.join(CORE, "include"), CORE],
+            "include_dirs": core_includes,
             "cflags": C_FLAGS + (["-DCHORUS_WITH_CUDA=1"] if use_cuda else []),
             "obj_deps": {"": CORE_HEADERS},
         },

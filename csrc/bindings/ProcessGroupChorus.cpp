@@ -162,17 +162,24 @@ chorus_redop_t toRedop(const c10d::ReduceOp& rop, at::ScalarType st) {
   return r;
 }
 
-// The single device dispatch point: every tensor of an op is checked here. A CUDA path will
-// branch here (stream ordering, device buffers) once the core has one.
+// The single device dispatch point: every tensor of an op is checked here.
 void checkTensor(const at::Tensor& t, const char* op) {
   TORCH_CHECK(t.defined(), "chorus: ", op, ": undefined tensor");
   TORCH_CHECK(t.layout() == at::kStrided, "chorus: ", op, ": only dense (strided) tensors are "
               "supported, got layout ", t.layout());
-  if (t.is_cuda()) TORCH_CHECK(false, "chorus: CUDA tensors are not supported yet (", op, ")");
-  TORCH_CHECK(t.device().is_cpu(), "chorus: ", op, ": tensors must be on the CPU, got ",
-              t.device());
+  if (t.is_cuda()) {
+    TORCH_CHECK(chorus_cuda_built(), "chorus: ", op, ": got a CUDA tensor, but this build of "
+                "chorus has no CUDA support (rebuild where nvcc and a CUDA torch are present, "
+                "or with FORCE_CUDA=1)");
+  } else {
+    TORCH_CHECK(t.device().is_cpu(), "chorus: ", op, ": tensors must be on the CPU or a CUDA "
+                "device, got ", t.device());
+  }
   (void)toDtype(t.scalar_type());
 }
+
+// The device of the op being prepared on this thread: set by its Checker, taken by launch().
+thread_local int t_op_cuda_device = -1;
 
 struct Checker {
   const char* op;
@@ -183,6 +190,7 @@ struct Checker {
     if (!have_device) {
       device = t.device();
       have_device = true;
+      t_op_cuda_device = device.is_cuda() ? device.index() : -1;
     }
     TORCH_CHECK(t.device() == device, "chorus: ", op, ": all tensors must be on one device, got ",
                 device, " and ", t.device());
@@ -458,6 +466,40 @@ WorkChorus::WorkChorus(OpType type, int rank, const char* profiling_title, const
 
 WorkChorus::~WorkChorus() {
   for (chorus_request_t* r : reqs_) chorus_request_free(r);
+  cuda::completeSlot(&done_slot_);  // a work that never finalized must not strand a stream
+  cuda::destroyEvent(cuda_event_);
+}
+
+void WorkChorus::setCudaDevice(int device) {
+  cuda_device_ = device;
+  // A future of CUDA tensors must name their device (markCompleted checks it).
+  future_ = c10::make_intrusive<c10::ivalue::Future>(
+      c10::ListType::create(c10::TensorType::get()),
+      std::vector<c10::Device>{c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device))});
+}
+
+void WorkChorus::setCuda(int device, void* event) {
+  setCudaDevice(device);
+  cuda_event_ = event;
+  cuda::allocSlot(&done_slot_);
+}
+
+namespace {
+// CHORUS_CUDA_STREAM_WAIT, read once.
+bool streamWaitEnabled() {
+  static const bool on = chorus_cuda_stream_wait() != 0;
+  return on;
+}
+}  // namespace
+
+bool WorkChorus::streamWaitAll() {
+  if (!streamWaitEnabled()) return false;
+  if (children_.empty()) return stream_wait_ && cuda::streamWait(cuda_device_, done_slot_);
+  for (auto& child : children_) {
+    if (child->cuda_device_ < 0 || !child->stream_wait_) return false;
+    if (!cuda::streamWait(child->cuda_device_, child->done_slot_)) return false;
+  }
+  return true;
 }
 
 void WorkChorus::addRequest(chorus_request_t* req) {
@@ -555,7 +597,11 @@ void WorkChorus::finalize() noexcept {
     if (any_source_ && !reqs_.empty() && err.empty())
       source_rank_ = chorus_request_source(reqs_[0]);
     if (err.empty() && !eptr) {
-      for (auto& cb : copy_back_) cb.first.copy_(cb.second);
+      if (cuda_device_ >= 0) {
+        cuda::copyBack(cuda_device_, copy_back_);
+      } else {
+        for (auto& cb : copy_back_) cb.first.copy_(cb.second);
+      }
     }
   } catch (const std::exception& e) {
     if (err.empty()) err = std::string("chorus: ") + op_name_ + ": " + e.what();
@@ -578,6 +624,9 @@ void WorkChorus::finalize() noexcept {
     exception_ = eptr;
     parent = std::move(parent_);
   }
+  // Streams waiting in wait() may go on: the data is final (or the work failed, which the
+  // next call on the group reports; a stream must not wait for ever).
+  cuda::completeSlot(&done_slot_);
   cv_.notify_all();
   try {
     if (recordFunctionEndCallback_) {
@@ -658,10 +707,17 @@ int WorkChorus::sourceRank() const {
 std::vector<at::Tensor> WorkChorus::result() { return outputs_; }
 
 void WorkChorus::synchronize() {
-  // CPU tensors: the data is in place once the work completed; nothing to order.
+  // CPU tensors: the data is in place once the work completed; nothing to order. CUDA: the
+  // current stream waits for the work, as ProcessGroupNCCL's synchronize does.
+  if (cuda_device_ >= 0 && !isCompleted()) wait();
 }
 
 bool WorkChorus::wait(std::chrono::milliseconds timeout) {
+  if (cuda_device_ >= 0 && !isCompleted()) {
+    // As ProcessGroupNCCL: the caller's current stream waits, the host does not. Where that
+    // cannot be done, the host waits below.
+    if (streamWaitAll()) return true;
+  }
   const bool has_deadline = timeout.count() > 0;
   const auto deadline = Clock::now() + timeout;
   if (!isCompleted()) {
@@ -811,13 +867,30 @@ c10::intrusive_ptr<WorkChorus> ProcessGroupChorus::newWork(OpType type, const ch
 template <typename F>
 c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::launch(
     const c10::intrusive_ptr<WorkChorus>& work, F&& issue) {
+  const int device = t_op_cuda_device;
+  t_op_cuda_device = -1;
   std::lock_guard<std::mutex> lk(mu_);
   TORCH_CHECK(comm_ && !closed_, "chorus: process group was shut down");
+  bool in_scope = false;
   try {
+    if (device >= 0) {
+      // After every copy the op queued on the caller's stream (staging, contiguous()).
+      void* event = cuda::recordCurrentStream(device);
+      work->setCuda(device, event);
+      if (chorus_cuda_begin(comm_, device, event) != CHORUS_SUCCESS)
+        TORCH_CHECK(false, "chorus: ", chorus_comm_error(nullptr));
+      in_scope = true;
+    }
     issue(comm_, *work);
   } catch (...) {
+    if (in_scope) chorus_cuda_end(comm_);
     work->arm();
     throw;
+  }
+  if (in_scope) {
+    chorus_cuda_end(comm_);
+    // The submission set up the communicator's CUDA state (or failed to: wait on the host).
+    work->setStreamWait(chorus_cuda_ready(comm_) != 0);
   }
   work->arm();
   if (coalescing_) coalesced_.push_back(work);
@@ -827,7 +900,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::launch(
 void ProcessGroupChorus::startCoalescing() {
   std::lock_guard<std::mutex> lk(mu_);
   TORCH_CHECK(comm_ && !closed_, "chorus: process group was shut down");
-  TORCH_CHECK(!coalescing_, "chorus: startCoalescing called twice without endCoalescing");
+  // torch's _coalescing_manager never calls endCoalescing when its body raises: a new batch
+  // then starts over. The abandoned batch's ops were issued and complete on their own.
   coalescing_ = true;
   coalesced_.clear();
 }
@@ -847,6 +921,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::endCoalescing() {
   }
   auto work = newWork(OpType::COALESCED, "chorus:coalesced", "coalesced", std::move(outputs));
   for (auto& w : works) work->addChild(w);
+  if (!works.empty() && works.front()->cudaDevice() >= 0)
+    work->setCudaDevice(works.front()->cudaDevice());
   work->arm();
   return work;
 }
@@ -1459,6 +1535,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::recvAnysource(std::vector<at:
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::barrier(const c10d::BarrierOptions& /*opts*/) {
   const char* op = "barrier";
+  t_op_cuda_device = -1;  // no tensors: a host operation
   auto work = newWork(OpType::BARRIER, "chorus:barrier", op, {});
   return launch(work, [&](chorus_comm_t* c, WorkChorus& w) {
     chorus_request_t* req = nullptr;

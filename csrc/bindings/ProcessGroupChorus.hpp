@@ -18,6 +18,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "chorus.h"
+#include "cuda_support.hpp"
 
 namespace chorus_torch {
 
@@ -72,6 +73,15 @@ class WorkChorus : public c10d::Work {
   }
   void addChild(c10::intrusive_ptr<WorkChorus> child) { children_.push_back(std::move(child)); }
   void setAnySource() { any_source_ = true; }
+  // Device tensors: the work waits for `event` (recorded on the caller's stream, owned by
+  // the work from now on), completes a pinned word that streams can wait on, and gives its
+  // future the device. Before arm().
+  void setCuda(int device, void* event);
+  // After the op was issued: wait() may make the caller's stream wait (chorus_cuda_ready).
+  void setStreamWait(bool on) { stream_wait_ = on; }
+  // The device alone (a coalesced work over device works: its future names the device).
+  void setCudaDevice(int device);
+  int cudaDevice() const { return cuda_device_; }
   // Registers the completion callbacks; the work finishes once everything it covers has.
   void arm();
 
@@ -102,6 +112,9 @@ class WorkChorus : public c10d::Work {
   bool attachParent(const c10::intrusive_ptr<WorkChorus>& parent);
   // finalize(), then wait until completed_ (another thread may be the one finalizing).
   void awaitCompleted();
+  // Makes the current stream wait for this work (or its children) on the device; false if
+  // that is not possible here.
+  bool streamWaitAll();
   // Waits for every request / child without throwing; false on timeout.
   bool waitDone(std::chrono::steady_clock::time_point deadline, bool has_deadline);
 
@@ -121,6 +134,10 @@ class WorkChorus : public c10d::Work {
   bool inline_ = false;          // guarded by mutex_: the core thread is finalizing right now
   bool armed_ = false;
   bool any_source_ = false;
+  int cuda_device_ = -1;         // >= 0: the tensors are on this CUDA device
+  void* cuda_event_ = nullptr;   // the caller's stream position the work waits for
+  cuda::DoneSlot done_slot_;     // completed in finalize(); streams wait on it
+  bool stream_wait_ = false;     // see setCuda
   int source_rank_ = -1;
   uint64_t seq_ = 0;
 };

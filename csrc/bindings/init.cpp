@@ -95,6 +95,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "algo: None reads CHORUS_ALGO as a communicator would, '' ignores it, else an override. "
       "unimplemented: also consider algorithms this build lacks (model only). ValueError on "
       "bad input.");
+  m.def("cuda_built", []() { return chorus_cuda_built() != 0; },
+        "True if this build carries the CUDA path (kernels, CUDA IPC, stream ordering).");
   m.def("version", []() { return std::string(chorus_version()); },
         "Version of the C core (chorus_version()).");
   m.def(
