@@ -7,6 +7,10 @@
                               ranks' batches with the mean of the per-rank losses, which is what
                               DDP and FSDP compute in exact arithmetic
 
+CHORUS_TRAIN_DEVICE=cuda trains the distributed runs on CUDA (rank r on cuda:LOCAL_RANK % the
+device count, so several ranks may share one GPU); inputs are still drawn on the CPU, so every
+device sees the same numbers.
+
 Each writes OUT (rank 0; per-rank losses gathered through files) as a torch.save'd dict:
 {"losses": [step][rank] floats, "params": {name: tensor}}.
 """
@@ -71,7 +75,12 @@ def train_distributed(mode, out):
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = make_model()
+    dev = torch.device("cpu")
+    if os.environ.get("CHORUS_TRAIN_DEVICE", "cpu") == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) %
+                           torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+    model = make_model().to(dev)
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
         # Small buckets: several all_reduces per step, finishing in a different order.
@@ -81,22 +90,26 @@ def train_distributed(mode, out):
             from torch.distributed.fsdp import fully_shard
         except ImportError:  # older torch
             from torch.distributed._composable.fsdp import fully_shard
+        kw = {}
+        if dev.type == "cuda":
+            from torch.distributed.device_mesh import init_device_mesh
+            kw["mesh"] = init_device_mesh("cuda", (world,))
         for layer in model:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
+                fully_shard(layer, **kw)
+        fully_shard(model, **kw)
     opt = make_optimizer(model.parameters())
     losses = []
     for step in range(STEPS):
         opt.zero_grad()
-        loss = loss_fn(model, *batch(step, rank))
+        loss = loss_fn(model, *(x.to(dev) for x in batch(step, rank)))
         loss.backward()
         opt.step()
         losses.append(loss.item())
     params = {}
     for k, v in model.state_dict().items():
         v = v.full_tensor() if hasattr(v, "full_tensor") else v  # FSDP2 holds DTensor shards
-        params[k.replace("module.", "", 1)] = v.detach().clone()
+        params[k.replace("module.", "", 1)] = v.detach().cpu().clone()
     gathered = [None] * world
     dist.all_gather_object(gathered, losses)
     if rank == 0:

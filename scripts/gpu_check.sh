@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# gpu_check.sh - one device call: builds Chorus from source with CUDA, runs the GPU tests
+# (kernels, every collective with 2-4 ranks sharing the GPU, stream semantics) and the GPU
+# benchmark (4 ranks on one GPU; 1 rank against NCCL, which refuses two ranks per GPU).
+# Logs go to $OUT when it is set (the device tool), else to ./gpu-check-logs.
+#   usage: bash scripts/gpu_check.sh [tests|bench|all]   (default all)
+#   PYTEST_K (a pytest -k expression) narrows the tests; BENCH_OPS the benchmarked ops.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-all}
+LOG=${OUT:-$PWD/gpu-check-logs}
+mkdir -p "$LOG"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
+PY=${PYTHON:-python3}
+status=0
+
+echo "== build" | tee "$LOG/build.log"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >>"$LOG/build.log" 2>&1
+$PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' \
+  >>"$LOG/build.log" 2>&1
+if ! FORCE_CUDA=1 $PY -m pip install -q --no-build-isolation --no-deps . >>"$LOG/build.log" 2>&1; then
+  echo "build FAILED"; tail -60 "$LOG/build.log"; exit 1
+fi
+$PY -c 'import chorus, chorus._C as c; print("chorus", chorus.__version__, "cuda built:", c.cuda_built())' \
+  2>&1 | tee -a "$LOG/build.log"
+
+if [ "$what" = all ] || [ "$what" = tests ]; then
+  echo "== tests"
+  rm -rf "$LOG/jobs"; mkdir -p "$LOG/jobs"
+  (cd tests && CHORUS_TEST_LOGS="$LOG/jobs" $PY -m pytest -q test_cuda.py -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1) | tee "$LOG/tests.log" \
+    | tail -30
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if [ "$what" = all ] || [ "$what" = bench ]; then
+  echo "== bench"
+  for op in ${BENCH_OPS:-all_reduce all_gather reduce_scatter broadcast alltoall}; do
+    $PY -m chorus.bench --device cuda --nproc 4 -o $op -b 8 -e 256M -f 4 -n 20 -w 5 \
+      --json "$LOG/bench4_$op.json" >>"$LOG/bench.log" 2>&1 || status=1
+    $PY -m chorus.bench --device cuda --nproc 1 --compare nccl -o $op -b 8 -e 256M -f 4 -n 20 \
+      -w 5 --json "$LOG/bench1_$op.json" >>"$LOG/bench.log" 2>&1 || status=1
+  done
+  tail -40 "$LOG/bench.log"
+fi
+exit $status

@@ -1,0 +1,166 @@
+"""Rank worker: timings of all_reduce on CUDA tensors, all ranks on one GPU, with CUDA events.
+
+  cuda_perf.py latency [--iters 1000] [--loop 10000]
+      float32 all_reduce of 8 B to 64 KiB: per size, ITERS back-to-back ops between two CUDA
+      events on the caller's stream (after warm-up), time per op; then one loop of LOOP
+      all_reduces of 8 B whose wall time is reported (a stall shows up as a huge figure, or
+      as the job's timeout).
+  cuda_perf.py bandwidth [--iters 10] [--max 1G]
+      the device-to-device copy bandwidth (rank 0 alone, tensor.copy_ of 1 GiB, bytes read +
+      written), then float32 all_reduce of 64 MiB .. MAX: per size the slowest rank's mean
+      time over ITERS ops, and the HBM traffic the algorithm moves (docs/PERFORMANCE.md):
+      two-shot over CUDA IPC, N ranks, S bytes each: every rank copies S into its scratch
+      (S read + S written), reduces its slice of all N scratches (S read, S/N written) and
+      copies the N reduced slices out (S read + S written): (5 N + 1) S bytes in all.
+
+Every result is checked (exact, integers in float32). Rank 0 prints one line
+"RESULT {json}" per measurement.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from common import init_dist  # noqa: E402
+
+
+def parse_size(s):
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(s[:-1]) * mult[s[-1].upper()] if s[-1].upper() in mult else int(s)
+
+
+def report(rank, **kw):
+    if rank == 0:
+        print("RESULT " + json.dumps(kw), flush=True)
+
+
+def slowest(value):
+    """The largest value over all ranks (through the CPU path of the same group)."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def timed(fn, iters):
+    """Mean ms per call of iters calls of fn, timed with CUDA events on the current stream;
+    every rank starts together (barrier) with an idle GPU."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def latency(rank, world, dev, args):
+    for size in (8, 64, 512, 4 << 10, 32 << 10, 64 << 10):
+        n = size // 4
+        t = torch.full((n,), float(rank + 1), device=dev)
+        for _ in range(50):
+            dist.all_reduce(t)
+        t.fill_(float(rank + 1))
+        ms = timed(lambda: dist.all_reduce(t), args.iters)
+        # After ITERS sums of sums, the value grows as world^iters: check one op instead.
+        t.fill_(float(rank + 1))
+        dist.all_reduce(t)
+        torch.cuda.synchronize()
+        ok = bool((t == world * (world + 1) / 2).all())
+        us = slowest(ms * 1e3)
+        report(rank, test="latency", bytes=size, ranks=world, ops=args.iters, us_per_op=us,
+               correct=ok)
+        if not ok:
+            raise SystemExit(f"wrong all_reduce result at {size} bytes")
+    # the long loop: LOOP ops of 8 B on one tensor, each adding 1 per rank to zeros
+    t = torch.zeros(2, device=dev)
+    one = torch.ones(2, device=dev)
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.monotonic()
+    for _ in range(args.loop):
+        t.copy_(one)
+        dist.all_reduce(t)
+    torch.cuda.synchronize()
+    wall = slowest(time.monotonic() - t0)
+    ok = bool((t == world).all())
+    report(rank, test="loop", ops=args.loop, ranks=world, wall_s=wall,
+           us_per_op=wall / args.loop * 1e6, correct=ok)
+    if not ok:
+        raise SystemExit("wrong result after the long loop")
+
+
+def bandwidth(rank, world, dev, args):
+    copy_gbs = 0.0
+    if rank == 0:
+        n = (1 << 30) // 4
+        a, b = torch.empty(n, device=dev), torch.ones(n, device=dev)
+        best = min(timed_local(lambda: a.copy_(b), 3) for _ in range(5))
+        copy_gbs = 2 * (1 << 30) / (best * 1e-3) / 1e9
+        del a, b
+        torch.cuda.empty_cache()
+    dist.barrier()
+    copy_gbs = slowest(copy_gbs)
+    report(rank, test="copy", bytes=1 << 30, gbps=copy_gbs)
+    size = 64 << 20
+    while size <= args.max:
+        n = size // 4
+        t = torch.full((n,), float(rank + 1), device=dev)
+        dist.all_reduce(t)  # warm-up (maps the scratch, grows nothing later)
+        ms = timed(lambda: dist.all_reduce(t), args.iters)
+        t.fill_(float(rank + 1))
+        dist.all_reduce(t)
+        torch.cuda.synchronize()
+        ok = bool((t == world * (world + 1) / 2).all())
+        ms = slowest(ms)
+        traffic = (5 * world + 1) * size
+        hbm = traffic / (ms * 1e-3) / 1e9
+        report(rank, test="allreduce_bw", bytes=size, ranks=world, ms=ms,
+               algbw_gbps=size / (ms * 1e-3) / 1e9,
+               busbw_gbps=size / (ms * 1e-3) / 1e9 * 2 * (world - 1) / world,
+               traffic_bytes=traffic, hbm_gbps=hbm, of_copy=hbm / copy_gbs, correct=ok)
+        if not ok:
+            raise SystemExit(f"wrong all_reduce result at {size} bytes")
+        del t
+        torch.cuda.empty_cache()
+        size *= 2
+
+
+def timed_local(fn, iters):
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=("latency", "bandwidth"))
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--loop", type=int, default=10000)
+    ap.add_argument("--max", type=parse_size, default=1 << 30)
+    args = ap.parse_args()
+    if args.iters is None:
+        args.iters = 1000 if args.mode == "latency" else 10
+    rank, world = init_dist()
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    dev = torch.device("cuda", local % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    (latency if args.mode == "latency" else bandwidth)(rank, world, dev, args)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
