@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes the seed corpora of tests/fuzz (corpus/<target>/seed-*): a few valid framed
-messages, hellos and parameter strings, and near misses, in the input layouts that
-fuzz_wire.c and fuzz_params.c document. Regression inputs (crash-*, from real bugs) are
+messages, hellos, parameter strings and bootstrap requests, and near misses, in the input
+layouts that fuzz_wire.c, fuzz_params.c and fuzz_bootstrap.c document. Regression inputs (crash-*, from real bugs) are
 kept by hand next to them. Run from anywhere: python3 tests/fuzz/make_seeds.py"""
 import os
 import struct
@@ -97,3 +97,42 @@ for k, v in wire.items():
     write("fuzz_wire", k, v)
 for k, v in params.items():
     write("fuzz_params", k, v)
+
+
+# fuzz_bootstrap: steps of (control byte: bit 0 client, bits 1-6 length - 1, bit 7 expire
+# waiters) and bytes; requests are magic, op, keylen, timeout_ms, vallen (big endian), key,
+# value.
+BS_MAGIC, BS_SET, BS_GET = 0x43424B56, 1, 2
+
+
+def bs_req(op, key, value=b"", timeout_ms=0, magic=BS_MAGIC, keylen=None, vallen=None):
+    return struct.pack(">IIIIQ", magic, op, len(key) if keylen is None else keylen, timeout_ms,
+                       len(value) if vallen is None else vallen) + key + value
+
+
+def bs_steps(*parts):
+    """parts: (client, bytes, expire) -> steps of at most 64 bytes each."""
+    out = b""
+    for client, data, expire in parts:
+        for i in range(0, len(data), 64):
+            chunk = data[i:i + 64]
+            out += bytes([client | (len(chunk) - 1) << 1 | (0x80 if expire else 0)]) + chunk
+    return out
+
+
+boot = {
+    "set-get": bs_steps((0, bs_req(BS_SET, b"prefix/peers", b"x" * 100), False),
+                        (1, bs_req(BS_GET, b"prefix/peers", timeout_ms=1000), False)),
+    "get-waits-for-set": bs_steps((1, bs_req(BS_GET, b"k", timeout_ms=5000), False),
+                                  (0, bs_req(BS_SET, b"k", b"value"), False)),
+    "get-expires": bs_steps((0, bs_req(BS_GET, b"missing", timeout_ms=10), True)),
+    "overwrite": bs_steps((0, bs_req(BS_SET, b"a", b"1"), False),
+                          (0, bs_req(BS_SET, b"a", b"22"), False),
+                          (1, bs_req(BS_GET, b"a"), False)),
+    "bad-magic": bs_steps((0, bs_req(BS_SET, b"a", b"1", magic=0x12345678), False)),
+    "bad-keylen": bs_steps((0, bs_req(BS_GET, b"", keylen=5000), False)),
+    "get-with-value": bs_steps((1, bs_req(BS_GET, b"a", b"zz"), False)),
+    "huge-value-cut": bs_steps((0, bs_req(BS_SET, b"big", b"y" * 40, vallen=64 << 20), False)),
+}
+for k, v in boot.items():
+    write("fuzz_bootstrap", k, v)
