@@ -4,7 +4,7 @@
 #   make demo    4-rank DDP training with chorus, then gloo; compares them
 #   make test    C unit tests, then the whole pytest suite (installs matplotlib if missing)
 #   make ctest   C unit tests only
-#   make fuzz    libFuzzer targets (tests/fuzz: wire headers, parameters), FUZZ_SECONDS
+#   make fuzz    libFuzzer targets (tests/fuzz: wire headers, parameters, bootstrap), FUZZ_SECONDS
 #                (60) each; needs clang
 #   make asan / make tsan / make valgrind   C unit tests under ASan+UBSan, TSan, memcheck
 #                (see tests/c/Makefile)
