@@ -406,6 +406,14 @@ static chorus_result_t pinned_setup(struct chorus_comm *comm, struct cuda_state 
   return CHORUS_SUCCESS;
 }
 
+static chorus_result_t staging_nomem(struct chorus_comm *comm, const struct op *op,
+                                     size_t bytes) {
+  char d[200];
+  op_describe(op, d, sizeof d);
+  return comm_set_error(comm, CHORUS_ERR_NOMEM, "%s on rank %d: out of host memory for %zu "
+                        "bytes of staging", d, comm->rank, bytes);
+}
+
 static chorus_result_t staging_for(struct chorus_comm *comm, struct cuda_state *st,
                                    const struct op *op, size_t bytes, uint8_t **out) {
   if (bytes <= st->pinned_cap) {
@@ -414,12 +422,7 @@ static chorus_result_t staging_for(struct chorus_comm *comm, struct cuda_state *
   }
   if (bytes > st->big_cap) {
     void *p = realloc(st->big, bytes);
-    if (!p) {
-      char d[200];
-      op_describe(op, d, sizeof d);
-      return comm_set_error(comm, CHORUS_ERR_NOMEM, "%s on rank %d: out of host memory for "
-                            "%zu bytes of staging", d, comm->rank, bytes);
-    }
+    if (!p) return staging_nomem(comm, op, bytes);
     st->big = p;
     st->big_cap = bytes;
   }
@@ -611,12 +614,7 @@ static chorus_result_t p2p_staging(struct chorus_comm *comm, struct op *op) {
    * chorus_cuda_ready) */
   size_t bytes = op->count * dtype_size(op->dtype);
   op->staging = malloc(bytes ? bytes : 1);
-  if (!op->staging) {
-    char d[200];
-    op_describe(op, d, sizeof d);
-    return comm_set_error(comm, CHORUS_ERR_NOMEM, "%s on rank %d: out of host memory for "
-                          "%zu bytes of staging", d, comm->rank, bytes);
-  }
+  if (!op->staging) return staging_nomem(comm, op, bytes);
   return CHORUS_SUCCESS;
 }
 

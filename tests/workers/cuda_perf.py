@@ -47,11 +47,12 @@ def slowest(value):
     return float(t.item())
 
 
-def timed(fn, iters):
-    """Mean ms per call of iters calls of fn, timed with CUDA events on the current stream;
-    every rank starts together (barrier) with an idle GPU."""
+def timed(fn, iters, together=True):
+    """Mean ms per call of iters calls of fn, timed with CUDA events on the current stream,
+    from an idle GPU; with together, every rank starts at once (barrier)."""
     torch.cuda.synchronize()
-    dist.barrier()
+    if together:
+        dist.barrier()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
@@ -102,7 +103,7 @@ def bandwidth(rank, world, dev, args):
     if rank == 0:
         n = (1 << 30) // 4
         a, b = torch.empty(n, device=dev), torch.ones(n, device=dev)
-        best = min(timed_local(lambda: a.copy_(b), 3) for _ in range(5))
+        best = min(timed(lambda: a.copy_(b), 3, together=False) for _ in range(5))
         copy_gbs = 2 * (1 << 30) / (best * 1e-3) / 1e9
         del a, b
         torch.cuda.empty_cache()
@@ -131,17 +132,6 @@ def bandwidth(rank, world, dev, args):
         del t
         torch.cuda.empty_cache()
         size *= 2
-
-
-def timed_local(fn, iters):
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main():
