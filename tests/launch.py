@@ -170,6 +170,24 @@ def run_job(name, script, world_size, args=(), env=None, timeout=300, workdir=No
     return job.wait(timeout)
 
 
+def run_reference_job(name, script, world_size, args=(), env=None, timeout=300, workdir=None,
+                      attempts=3):
+    """Like run_job, for a run of the reference backend (Gloo) whose results Chorus is compared
+    with. Gloo's own teardown now and then aborts one rank after the work is done ("terminate
+    called without an active exception", SIGABRT; seen in CI on torch 2.13.0): such a run is
+    repeated, up to `attempts` times, so the reference's flake does not fail a Chorus test.
+    Only deaths by signal are retried; a timeout or a non-zero exit is returned at once."""
+    for attempt in range(1, attempts + 1):
+        result = run_job(name, script, world_size, args=args, env=env, timeout=timeout,
+                         workdir=workdir)
+        crashed = [r.rank for r in result.ranks if r.returncode < 0]
+        if result.ok or result.timed_out or not crashed or attempt == attempts:
+            return result
+        sys.stderr.write(f"reference job {name!r}: rank(s) {crashed} died by a signal "
+                         f"(attempt {attempt} of {attempts}), running it again\n")
+    return result
+
+
 def chorus_shm_segments():
     """Names in /dev/shm that belong to Chorus (segments carry "chorus" in their name)."""
     try:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from launch import WORKERS, backend_under_test, base_env, run_job
+from launch import WORKERS, backend_under_test, base_env, run_job, run_reference_job
 
 TRAIN = os.path.join(WORKERS, "train.py")
 RTOL = 1e-5
@@ -27,8 +27,9 @@ def training(tmp_path_factory):
     backends = [backend_under_test()] + (["gloo"] if backend_under_test() != "gloo" else [])
     jobs = {}
     for b in backends:
-        jobs[b] = run_job(f"train-{b}", TRAIN, 4, args=["both", str(root / b)],
-                          env={"CHORUS_TEST_BACKEND": b}, timeout=300)
+        run = run_job if b == backend_under_test() else run_reference_job
+        jobs[b] = run(f"train-{b}", TRAIN, 4, args=["both", str(root / b)],
+                      env={"CHORUS_TEST_BACKEND": b}, timeout=300)
     env = base_env(1, 0)
     single = subprocess.run([sys.executable, TRAIN, "single", str(root / "single.pt"), "4"],
                             env=env, capture_output=True, text=True, timeout=300)
