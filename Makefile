@@ -72,11 +72,11 @@ asan tsan valgrind:
 	$(MAKE) -C tests/c $@
 
 pytest: $(BUILD_STAMP) $(TEST_DEPS_STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 test: $(BUILD_STAMP) $(TEST_DEPS_STAMP)
 	$(MAKE) -C tests/c
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 # Rewrites the README parameter table from `python -m chorus.params --markdown`.
 readme-params: $(BUILD_STAMP)
