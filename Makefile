@@ -8,6 +8,8 @@
 #                (60) each; needs clang
 #   make asan / make tsan / make valgrind   C unit tests under ASan+UBSan, TSan, memcheck
 #                (see tests/c/Makefile)
+#   make asan-torch  Chorus built with ASan+UBSan (build-asan-py/), 4-rank PyTorch jobs on it
+#                (tools/asan_torch.sh: checks over shm and sockets, a soak; ~15 min)
 #   make clean   build outputs (keeps .venv); make distclean also removes .venv
 # CHORUS_TEST_BACKEND=gloo make test runs the suite against gloo (validates the harness).
 
@@ -28,7 +30,7 @@ BUILD_INPUTS := $(shell find csrc python -type f \( -name '*.c' -o -name '*.h' -
                   -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py' \) 2>/dev/null) \
                 $(wildcard setup.py pyproject.toml setup.cfg MANIFEST.in)
 
-.PHONY: all demo test ctest fuzz asan tsan valgrind pytest deps build clean distclean readme-params
+.PHONY: all demo test ctest fuzz asan tsan valgrind asan-torch pytest deps build clean distclean readme-params
 
 all: build
 
@@ -70,6 +72,8 @@ fuzz:
 	$(MAKE) -C tests/fuzz fuzz FUZZ_SECONDS=$(FUZZ_SECONDS)
 asan tsan valgrind:
 	$(MAKE) -C tests/c $@
+asan-torch: $(DEPS_STAMP)
+	bash tools/asan_torch.sh $(PY)
 
 pytest: $(BUILD_STAMP) $(TEST_DEPS_STAMP)
 	$(PY) -m pytest -q --durations=25 tests
@@ -83,7 +87,7 @@ readme-params: $(BUILD_STAMP)
 	$(PY) tests/readme_params.py --update
 
 clean:
-	rm -rf build dist *.egg-info python/*.egg-info .pytest_cache $(BUILD_STAMP)
+	rm -rf build dist *.egg-info python/*.egg-info .pytest_cache $(BUILD_STAMP) build-asan-py build-asan-py.log
 	find . -name __pycache__ -type d -not -path './$(VENV)/*' -prune -exec rm -rf {} +
 	-$(MAKE) -C tests/c clean
 	-$(MAKE) -C tests/fuzz clean

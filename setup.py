@@ -52,6 +52,19 @@ C_FLAGS = ["-std=c11", "-O3", "-Wall", "-Wextra", "-Werror", "-D_GNU_SOURCE", "-
 CXX_FLAGS = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility=hidden"]
 # No -std here: cpp_extension picks the standard the installed torch headers need
 # (C++20 for torch >= 2.10); the binding itself sticks to C++17.
+LINK_FLAGS = ["-pthread"]
+
+# CHORUS_SANITIZE=1: core and binding built with AddressSanitizer + UndefinedBehaviorSanitizer
+# (tools/asan_torch.sh builds such a copy into its own directory and runs multi-rank jobs
+# with the runtime preloaded). vptr checks are off: they would need RTTI from torch's
+# uninstrumented libraries. -O1 inlines differently and then gcc warns about the core's
+# deliberate snprintf truncations, so that one warning is off (as in tests/c's asan build).
+if os.environ.get("CHORUS_SANITIZE", "0") == "1":
+    _SAN = ["-fsanitize=address,undefined", "-fno-sanitize=vptr", "-fno-sanitize-recover=all",
+            "-fno-omit-frame-pointer", "-g"]
+    C_FLAGS = [f for f in C_FLAGS if f != "-O3"] + ["-O1", "-Wno-format-truncation"] + _SAN
+    CXX_FLAGS = [f for f in CXX_FLAGS if f != "-O2"] + ["-O1"] + _SAN
+    LINK_FLAGS = LINK_FLAGS + _SAN
 
 
 def _build_clib_class():
@@ -137,7 +150,7 @@ def build():
         define_macros=macros,
         extra_compile_args=extra,
         libraries=["m"],
-        extra_link_args=["-pthread"],
+        extra_link_args=LINK_FLAGS,
         depends=BINDING_HEADERS + CORE_HEADERS,
     )
 
