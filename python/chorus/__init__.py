@@ -52,7 +52,10 @@ def _create(dist_backend_opts, backend_options):
     if backend_options is not None and getattr(backend_options, "_timeout", None) is not None:
         timeout = backend_options._timeout
     name = str(getattr(dist_backend_opts, "group_id", "") or "")
+    # c10d passes [] for the default group, whose ranks are the job's ranks.
     global_ranks = list(getattr(dist_backend_opts, "global_ranks_in_group", None) or [])
+    if not global_ranks:
+        global_ranks = list(range(dist_backend_opts.group_size))
     if len(global_ranks) != dist_backend_opts.group_size:
         global_ranks = []
     return ProcessGroupChorus(

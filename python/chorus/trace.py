@@ -122,7 +122,7 @@ class CommView:
         first_bad = None
         for seq in range(low, high + 1):
             entries = {r: self.colls[r].get(seq) for r in present}
-            if self.missing or any(e is None or e["state"] != "done" for e in entries.values()) \
+            if any(e is None or e["state"] != "done" for e in entries.values()) \
                     or len({_signature(e) for e in entries.values()}) > 1:
                 first_bad = seq
                 break
@@ -157,19 +157,30 @@ class CommView:
                 findings.append(dict(kind="behind", rank=r, seq=seq, op=ref["op"], text=text))
         if majority is not None:
             odd = [r for r, e in reached.items() if _signature(e) != majority]
+            ends = [x.get("ended_wall") for rr, x in reached.items()
+                    if rr not in odd and x.get("ended_wall") is not None]
+            others = [x for x in reached if x not in odd]
             for r in odd:
                 e = reached[r]
-                late = ""
-                ends = [x.get("ended_wall") for rr, x in reached.items()
-                        if rr != r and x.get("ended_wall") is not None]
-                if e.get("started_wall") and ends and e["started_wall"] > max(ends):
-                    late = (f", {e['started_wall'] - max(ends):.1f} s after the others' "
-                            f"seq {seq} had ended")
                 last = self.last_done(r)
+                last_text = (f"{self.who(r)} last completed seq "
+                             + (str(last) if last is not None else "(none recorded)"))
+                if e.get("started_wall") and ends and e["started_wall"] > max(ends):
+                    # it came to this sequence number only after the others had given up on
+                    # it: behind, not a concurrent disagreement
+                    when = min((reached[x]["started_wall"] for x in others
+                                if reached[x].get("started_wall") is not None), default=None)
+                    text = (f"{self.who(r)} never started {ref['op']} seq {seq} ({_ranks(others)} "
+                            f"started it at {_fmt_time(when)}); {last_text}; it called "
+                            f"{_describe_call(e)} as seq {seq} only at "
+                            f"{_fmt_time(e['started_wall'])}, "
+                            f"{e['started_wall'] - max(ends):.1f} s after the others had "
+                            f"{'failed' if any(reached[x]['state'] == 'failed' for x in others) else 'ended'}")
+                    findings.append(dict(kind="behind", rank=r, seq=seq, op=ref["op"], text=text,
+                                         called=e["op"]))
+                    continue
                 text = (f"{self.who(r)} called {_describe_call(e)} as seq {seq} where "
-                        f"{_ranks([x for x in reached if x not in odd])} called "
-                        f"{_describe_call(ref)}{late}; {self.who(r)} last completed seq "
-                        + (str(last) if last is not None else "(none recorded)"))
+                        f"{_ranks(others)} called {_describe_call(ref)}; {last_text}")
                 findings.append(dict(kind="mismatch", rank=r, seq=seq, op=e["op"],
                                      expected=ref["op"], text=text))
         elif len(sigs) > 1:

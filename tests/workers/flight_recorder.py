@@ -1,17 +1,17 @@
 """Rank worker for tests/test_flight_recorder.py. Argument: a scratch directory.
 
-MODE=timeout: first the on-demand dumps (ONDEMAND=1): two checked all_reduce calls, then
-  chorus.dump_trace() for every communicator and for the world group into <dir>/api, whose
-  records this rank checks against what it issued (prints API_OK), then SIGUSR2
-  (CHORUS_TRACE_SIGNAL) to itself and a wait for the record in CHORUS_TRACE_DIR (prints
-  SIGNAL_OK). Then 8 all_reduce calls of one shape, of which rank SKIPPER skips the 5th:
-  Chorus numbers collectives per communicator, so its later calls pair with the others'
-  and the others' 8th call finds nobody: they time out. The skipper, after its 7 calls,
-  waits until the others have failed (files failed<r>), then calls barrier(), which fails.
-MODE=mismatch: 8 all_reduce calls whose sizes grow per step; the skipper skips the 5th, so
-  its 6th call meets the others' 5th: a mismatch at once on every rank.
-On the failure every rank prints
-  FAILED <exception type> <trace file already on disk: 1/0> <message>
+1. On-demand dumps: two checked all_reduce calls on the world group, then chorus.dump_trace()
+   for every communicator and for the world group into <dir>/api, whose records this rank
+   checks against what it issued (prints API_OK), then SIGUSR2 (CHORUS_TRACE_SIGNAL) to
+   itself and a wait for the record in CHORUS_TRACE_DIR (prints SIGNAL_OK).
+2. Mismatch, on a new group of every rank: 8 all_reduce calls whose sizes grow per step;
+   rank SKIPPER skips the 5th, so its 6th call meets the others' 5th and the fingerprint
+   fails every rank at once. Prints MISMATCH <exception type> <record on disk 1/0> <message>.
+3. Timeout, on the world group: 8 all_reduce calls of one shape, of which the skipper skips
+   the 5th. Chorus numbers collectives per communicator, so its later calls pair with the
+   others' and the others' 8th call finds nobody: they time out. The skipper, after its 7
+   calls, waits until the others have failed (files failed<r>), then calls barrier(), which
+   fails. Prints FAILED <exception type> <record on disk 1/0> <message>.
 """
 import glob
 import json
@@ -29,9 +29,9 @@ from common import init_dist  # noqa: E402
 
 import chorus  # noqa: E402
 
+T0 = time.monotonic()
 rank, world = init_dist()
 scratch = sys.argv[1]
-mode = os.environ["MODE"]
 skipper = int(os.environ.get("SKIPPER", "2"))
 trace_dir = os.environ["CHORUS_TRACE_DIR"]
 
@@ -59,49 +59,67 @@ def check_record(path, reason, expect_seqs):
     return rec
 
 
-seq0 = 0
+# 1. on-demand dumps
 t = torch.ones(1024)
-if os.environ.get("ONDEMAND") == "1":
-    for _ in range(2):
-        t.fill_(1.0)
-        dist.all_reduce(t)
-        assert torch.all(t == world), t[:4]
-    seq0 = 2
-    api_dir = os.path.join(scratch, "api")
-    every = chorus.dump_trace(path=api_dir)
-    assert every == my_records(api_dir) and len(every) == 1, (every, my_records(api_dir))
-    check_record(every[0], "api", [0, 1])
-    one = chorus.dump_trace(dist.group.WORLD, path=api_dir, reason="test")
-    assert one == every, (one, every)
-    check_record(one[0], "test", [0, 1])
-    print("API_OK", flush=True)
-    os.kill(os.getpid(), signal.SIGUSR2)
-    deadline = time.monotonic() + 30
-    while not my_records(trace_dir) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    found = my_records(trace_dir)
-    assert found, "no record in CHORUS_TRACE_DIR 30 s after SIGUSR2"
-    check_record(found[0], "signal", [0, 1])
-    print("SIGNAL_OK", flush=True)
+for _ in range(2):
+    t.fill_(1.0)
+    dist.all_reduce(t)
+    assert torch.all(t == world), t[:4]
+api_dir = os.path.join(scratch, "api")
+every = chorus.dump_trace(path=api_dir)
+assert every == my_records(api_dir) and len(every) == 1, (every, my_records(api_dir))
+check_record(every[0], "api", [0, 1])
+one = chorus.dump_trace(dist.group.WORLD, path=api_dir, reason="test")
+assert one == every, (one, every)
+check_record(one[0], "test", [0, 1])
+print(f"API_OK at {time.monotonic() - T0:.1f} s", flush=True)
+os.kill(os.getpid(), signal.SIGUSR2)
+deadline = time.monotonic() + 30
+while not my_records(trace_dir) and time.monotonic() < deadline:
+    time.sleep(0.02)
+found = my_records(trace_dir)
+assert found, "no record in CHORUS_TRACE_DIR 30 s after SIGUSR2"
+check_record(found[0], "signal", [0, 1])
+print("SIGNAL_OK", flush=True)
 
 
-def failed(e):
-    on_disk = int(bool(my_records(trace_dir)))
+def failed_records():
+    """How many of this rank's records in CHORUS_TRACE_DIR describe a failed communicator."""
+    n = 0
+    for path in my_records(trace_dir):
+        with open(path) as f:
+            n += bool(json.load(f)["failed"])
+    return n
+
+
+def report(tag, e, want_records):
+    on_disk = int(failed_records() >= want_records)
     msg = " ".join(str(e).split())[:800]
-    print(f"FAILED {type(e).__name__} {on_disk} {msg}", flush=True)
-    open(os.path.join(scratch, f"failed{rank}"), "w").close()
-    sys.exit(5)
+    print(f"{tag} {type(e).__name__} {on_disk} {msg}", flush=True)
+    print(f"at {time.monotonic() - T0:.1f} s", flush=True)
 
 
+# 2. mismatch on a group of its own
+group = dist.new_group(list(range(world)))
 try:
     for i in range(8):
         if rank == skipper and i == 4:
             continue
-        n = 1024 if mode == "timeout" else 256 + 64 * i
-        x = torch.ones(n)
-        dist.all_reduce(x)
+        x = torch.ones(256 + 64 * i)
+        dist.all_reduce(x, group=group)
         assert torch.all(x == world), x[:4]
-    print(f"LOOP_DONE next_seq {seq0 + (7 if rank == skipper else 8)}", flush=True)
+    print("MISMATCH_NOT_NOTICED", flush=True)
+except Exception as e:  # noqa: BLE001 (the test reads type and text)
+    report("MISMATCH", e, 1)
+
+# 3. timeout on the world group
+try:
+    for i in range(8):
+        if rank == skipper and i == 4:
+            continue
+        t.fill_(1.0)
+        dist.all_reduce(t)
+        assert torch.all(t == world), t[:4]
     if rank == skipper:
         deadline = time.monotonic() + 90
         others = [os.path.join(scratch, f"failed{r}") for r in range(world) if r != rank]
@@ -109,5 +127,7 @@ try:
             time.sleep(0.05)
         dist.barrier()
     print("NO_FAILURE", flush=True)
-except Exception as e:  # noqa: BLE001 (the test reads type and text)
-    failed(e)
+except Exception as e:  # noqa: BLE001
+    report("FAILED", e, 2)
+    open(os.path.join(scratch, f"failed{rank}"), "w").close()
+    sys.exit(5)
