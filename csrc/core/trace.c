@@ -16,8 +16,11 @@
 
 #include "core.h"
 
-/* One entry is TW_WORDS atomic words; relaxed stores cost what plain stores cost, and
- * readers on other threads stay data-race free. TW_VER is odd while the engine writes. */
+/* One entry is TW_WORDS atomic words, readers on other threads stay data-race free.
+ * TW_VER is odd while the engine writes. A sequence lock without fences (TSan does not model
+ * them): the engine's stores to the words are release stores and a reader's loads acquire
+ * loads, so a reader that sees any word of a write in progress also sees the odd counter when
+ * it re-reads it. On x86 both are plain moves. */
 enum {
   TW_VER = 0,
   TW_ID,        /* record number + 1 (0: empty slot) */
@@ -49,8 +52,8 @@ static inline _Atomic uint64_t *slot_of(struct trace_ring *t, uint64_t id1) {
 
 static inline void entry_lock(_Atomic uint64_t *e) {
   atomic_store_explicit(&e[TW_VER], atomic_load_explicit(&e[TW_VER], RELAXED) + 1, RELAXED);
-  atomic_thread_fence(memory_order_release);
 }
+#define PUT(e, k, v) atomic_store_explicit(&(e)[k], (v), memory_order_release)
 static inline void entry_unlock(_Atomic uint64_t *e) {
   atomic_store_explicit(&e[TW_VER], atomic_load_explicit(&e[TW_VER], RELAXED) + 1,
                         memory_order_release);
@@ -120,16 +123,15 @@ void trace_op_begin(struct chorus_comm *comm, struct op *op, int64_t started_ns)
                   (uint64_t)(p2p ? 0xff : (unsigned)op->op.kind & 0xff) << 16 |
                   (uint64_t)state << 24 | (uint64_t)ALGO_NONE << 32;
   entry_lock(e);
-  atomic_store_explicit(&e[TW_ID], id1, RELAXED);
-  atomic_store_explicit(&e[TW_SEQ], p2p && !started_ns ? UINT64_MAX : op->seq, RELAXED);
-  atomic_store_explicit(&e[TW_META], meta, RELAXED);
-  atomic_store_explicit(&e[TW_PEER],
-                        (uint64_t)(uint32_t)op->root | (uint64_t)(uint32_t)op->tag << 32, RELAXED);
-  atomic_store_explicit(&e[TW_COUNT], op->count, RELAXED);
-  atomic_store_explicit(&e[TW_BYTES], op_bytes(comm, op), RELAXED);
-  atomic_store_explicit(&e[TW_QUEUED], (uint64_t)op->t_queued, RELAXED);
-  atomic_store_explicit(&e[TW_STARTED], (uint64_t)started_ns, RELAXED);
-  atomic_store_explicit(&e[TW_ENDED], 0, RELAXED);
+  PUT(e, TW_ID, id1);
+  PUT(e, TW_SEQ, p2p && !started_ns ? UINT64_MAX : op->seq);
+  PUT(e, TW_META, meta);
+  PUT(e, TW_PEER, (uint64_t)(uint32_t)op->root | (uint64_t)(uint32_t)op->tag << 32);
+  PUT(e, TW_COUNT, op->count);
+  PUT(e, TW_BYTES, op_bytes(comm, op));
+  PUT(e, TW_QUEUED, (uint64_t)op->t_queued);
+  PUT(e, TW_STARTED, (uint64_t)started_ns);
+  PUT(e, TW_ENDED, 0);
   entry_unlock(e);
 }
 
@@ -140,11 +142,10 @@ void trace_op_start(struct chorus_comm *comm, struct op *op, int64_t now) {
   uint64_t meta = atomic_load_explicit(&e[TW_META], RELAXED);
   meta = (meta & ~(0xffull << 24)) | (uint64_t)TS_STARTED << 24;
   entry_lock(e);
-  atomic_store_explicit(&e[TW_SEQ], op->seq, RELAXED);
-  atomic_store_explicit(&e[TW_META], meta, RELAXED);
-  atomic_store_explicit(&e[TW_PEER],
-                        (uint64_t)(uint32_t)op->root | (uint64_t)(uint32_t)op->tag << 32, RELAXED);
-  atomic_store_explicit(&e[TW_STARTED], (uint64_t)now, RELAXED);
+  PUT(e, TW_SEQ, op->seq);
+  PUT(e, TW_META, meta);
+  PUT(e, TW_PEER, (uint64_t)(uint32_t)op->root | (uint64_t)(uint32_t)op->tag << 32);
+  PUT(e, TW_STARTED, (uint64_t)now);
   entry_unlock(e);
 }
 
@@ -154,7 +155,7 @@ void trace_op_algo(struct chorus_comm *comm, struct op *op) {
   uint64_t meta = atomic_load_explicit(&e[TW_META], RELAXED);
   meta = (meta & ~(0xffull << 32)) | (uint64_t)(op->algo & 0xff) << 32;
   entry_lock(e);
-  atomic_store_explicit(&e[TW_META], meta, RELAXED);
+  PUT(e, TW_META, meta);
   entry_unlock(e);
 }
 
@@ -166,8 +167,8 @@ void trace_op_end(struct chorus_comm *comm, struct op *op, chorus_result_t res) 
   meta |= (uint64_t)(res == CHORUS_SUCCESS ? TS_DONE : TS_FAILED) << 24 |
           (uint64_t)((unsigned)res & 0xff) << 40;
   entry_lock(e);
-  atomic_store_explicit(&e[TW_META], meta, RELAXED);
-  atomic_store_explicit(&e[TW_ENDED], (uint64_t)now_ns(), RELAXED);
+  PUT(e, TW_META, meta);
+  PUT(e, TW_ENDED, (uint64_t)now_ns());
   entry_unlock(e);
 }
 
@@ -179,8 +180,7 @@ static int entry_read(_Atomic uint64_t *e, uint64_t out[TW_WORDS]) {
       sched_yield();
       continue;
     }
-    for (int k = 1; k < TW_WORDS; k++) out[k] = atomic_load_explicit(&e[k], RELAXED);
-    atomic_thread_fence(memory_order_acquire);
+    for (int k = 1; k < TW_WORDS; k++) out[k] = atomic_load_explicit(&e[k], memory_order_acquire);
     if (atomic_load_explicit(&e[TW_VER], RELAXED) == v1) return out[TW_ID] != 0;
   }
   return 0;
