@@ -10,7 +10,8 @@
 - Timeout, on the world group: every call has one shape. Chorus numbers collectives per
   communicator, so the skipper's later calls pair with the others' and nothing shows until
   the others' last all_reduce, which nobody answers: the survivors time out. The skipper,
-  busy elsewhere meanwhile, then calls barrier() and fails too. Every rank's record is in
+  busy elsewhere meanwhile (in no Chorus operation), writes its record when its engine sees
+  the others' failure notices, then calls barrier() and fails too. Every rank's record is in
   CHORUS_TRACE_DIR before its exception surfaces, and `python -m chorus.trace` names rank 2
   and the sequence number it never started (the one the others are stuck at).
 - chorus.trace on the records with one rank's file removed (as after a SIGKILL) says that
@@ -63,6 +64,7 @@ def test_flight_recorder_names_the_skipping_rank(tmp_path):
     for rank, (etype, on_disk, msg) in mism.items():
         assert etype == "DistBackendError" and "mismatched calls" in msg, (rank, msg)
         assert on_disk, f"rank {rank}: its record was not on disk when the exception surfaced"
+    assert re.search(r"^IDLE_RECORD 1$", res.ranks[SKIPPER].output, re.M), res.describe()
     fails = reports(res, "FAILED")
     stuck_seq = ONDEMAND_OPS + 7  # the survivors' 8th call of the loop
     for rank, (etype, on_disk, msg) in fails.items():

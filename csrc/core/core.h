@@ -280,6 +280,8 @@ uint32_t shm_doorbell_value(struct chorus_comm *comm);
 void shm_ring_own_doorbell(struct chorus_comm *comm);
 /* Tells every local peer that this rank failed (they fail their waits at once). */
 void shm_publish_error(struct chorus_comm *comm, const char *msg);
+/* A local peer that published a failure, or -1. Any thread. */
+int shm_failed_peer(struct chorus_comm *comm);
 
 /* socket.c */
 struct sock_state;
@@ -563,6 +565,11 @@ void trace_on_failure(struct chorus_comm *comm, chorus_result_t res);
 /* The process's list of communicators, for dumps of all of them (signal, API). */
 void trace_register(struct chorus_comm *comm);
 void trace_unregister(struct chorus_comm *comm);
+/* While the engine is idle: should it wake now and then to call trace_idle_check, which
+ * writes the record (once) when a same-host peer has published a failure? A rank that is in
+ * no operation when the others fail writes its record too. */
+int trace_idle_watch(struct chorus_comm *comm);
+void trace_idle_check(struct chorus_comm *comm);
 /* Installs the CHORUS_TRACE_SIGNAL handler (once per process). */
 chorus_result_t trace_signal_setup(struct chorus_comm *comm);
 

@@ -496,6 +496,7 @@ chorus_result_t engine_poll(struct chorus_comm *comm, struct op *op, int *idle_i
 }
 
 /* ---------------------------------------------------------------- the thread */
+#define IDLE_WATCH_MS 500
 static void *engine_main(void *arg) {
   struct chorus_comm *comm = arg;
   int idle = 0;
@@ -549,12 +550,27 @@ static void *engine_main(void *arg) {
       continue;
     }
     if (stopping || atomic_load(&comm->aborted)) break;
-    /* nothing to do: sleep until an op is submitted */
+    /* nothing to do: sleep until an op is submitted (with the flight recorder's idle watch,
+     * waking every IDLE_WATCH_MS to see whether a peer failed meanwhile) */
+    int watch = trace_idle_watch(comm), woke = 0;
     pthread_mutex_lock(&comm->mu);
     while (!comm->queue_head && !comm->p2p_incoming && !atomic_load(&comm->stop) &&
-           !atomic_load(&comm->aborted))
-      pthread_cond_wait(&comm->idle_cv, &comm->mu);
+           !atomic_load(&comm->aborted) && !woke) {
+      if (!watch) {
+        pthread_cond_wait(&comm->idle_cv, &comm->mu);
+        continue;
+      }
+      struct timespec until;
+      clock_gettime(CLOCK_REALTIME, &until);
+      until.tv_nsec += IDLE_WATCH_MS * 1000000L;
+      if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec += until.tv_nsec / 1000000000L;
+        until.tv_nsec %= 1000000000L;
+      }
+      woke = pthread_cond_timedwait(&comm->idle_cv, &comm->mu, &until) == ETIMEDOUT;
+    }
     pthread_mutex_unlock(&comm->mu);
+    if (woke) trace_idle_check(comm);
     idle = 0;
   }
   /* fail whatever is left (abort path) */

@@ -41,6 +41,7 @@ struct trace_ring {
   uint32_t size;
   _Atomic uint64_t next;          /* records handed out; written by the engine thread only */
   _Atomic int failure_dumped;     /* the failure dump of this communicator was written */
+  int idle_dumped;                /* engine thread: written because a peer failed */
   _Atomic uint64_t *w;            /* size * TW_WORDS */
 };
 
@@ -469,6 +470,25 @@ void trace_on_failure(struct chorus_comm *comm, chorus_result_t res) {
   pthread_mutex_unlock(&registry_mu);
   if (r != CHORUS_SUCCESS)
     WARN(comm->rank, "flight recorder: %s", chorus_comm_error(NULL));
+}
+
+int trace_idle_watch(struct chorus_comm *comm) {
+  struct trace_ring *t = comm->trace;
+  return t && comm->shm && !t->idle_dumped && !atomic_load(&t->failure_dumped) &&
+         !atomic_load(&comm->failed) && *param_str(PARAM_TRACE_DIR);
+}
+
+void trace_idle_check(struct chorus_comm *comm) {
+  if (!trace_idle_watch(comm)) return;
+  int peer = shm_failed_peer(comm);
+  if (peer < 0) return;
+  comm->trace->idle_dumped = 1;
+  char why[64];
+  snprintf(why, sizeof why, "peer %d failed", peer);
+  pthread_mutex_lock(&registry_mu);
+  chorus_result_t r = trace_write(comm, param_str(PARAM_TRACE_DIR), why, NULL, 0);
+  pthread_mutex_unlock(&registry_mu);
+  if (r != CHORUS_SUCCESS) WARN(comm->rank, "flight recorder: %s", chorus_comm_error(NULL));
 }
 
 /* ------------------------------------------------------------------ the dump signal */

@@ -3,7 +3,8 @@
  * record again and again (the lock-free ring read beside the engine's writes: TSan covers
  * it); the record then holds the last 4 operations with their fields and the job-wide ranks;
  * finally rank 1 stops calling and rank 0's all_reduce times out: its record (reason
- * "timeout", the op failed) is on disk by the time chorus_wait returns. */
+ * "timeout", the op failed) is on disk by the time chorus_wait returns, and rank 1, idle,
+ * writes its own when it sees rank 0's failure notice (reason "peer 0 failed"). */
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <pthread.h>
@@ -130,7 +131,11 @@ static int rank_main(int rank, int port, const char *dir) {
                strstr(j, "\"state\": \"failed\", \"result\": \"timed out\""),
            "failure record:\n%s", j ? j : "(none)");
   } else {
+    /* idle meanwhile: the engine's watch sees rank 0's failure notice and writes */
     sleep(3);
+    j = slurp(path);
+    EXPECT(j && strstr(j, "\"reason\": \"peer 0 failed\"") && strstr(j, "\"failed\": false"),
+           "rank 1's record after rank 0 failed:\n%s", j ? j : "(none)");
   }
   chorus_comm_destroy(c);
   if (bs.release) bs.release(bs.ctx);

@@ -10,8 +10,9 @@
 3. Timeout, on the world group: 8 all_reduce calls of one shape, of which the skipper skips
    the 5th. Chorus numbers collectives per communicator, so its later calls pair with the
    others' and the others' 8th call finds nobody: they time out. The skipper, after its 7
-   calls, waits until the others have failed (files failed<r>), then calls barrier(), which
-   fails. Prints FAILED <exception type> <record on disk 1/0> <message>.
+   calls, waits until the others have failed (files failed<r>), checks that it wrote its
+   record meanwhile although it was in no operation (prints IDLE_RECORD 1), then calls
+   barrier(), which fails. Prints FAILED <exception type> <record on disk 1/0> <message>.
 """
 import glob
 import json
@@ -113,6 +114,7 @@ except Exception as e:  # noqa: BLE001 (the test reads type and text)
     report("MISMATCH", e, 1)
 
 # 3. timeout on the world group
+group_name = dist.distributed_c10d._get_process_group_name(dist.group.WORLD)
 try:
     for i in range(8):
         if rank == skipper and i == 4:
@@ -125,6 +127,18 @@ try:
         others = [os.path.join(scratch, f"failed{r}") for r in range(world) if r != rank]
         while not all(os.path.exists(p) for p in others) and time.monotonic() < deadline:
             time.sleep(0.05)
+        # in no operation meanwhile: the engine's idle watch saw the others' failure notices
+        # and wrote this rank's record of the world group
+        idle = 0
+        deadline = time.monotonic() + 10
+        while not idle and time.monotonic() < deadline:
+            for path in my_records(trace_dir):
+                with open(path) as f:
+                    rec = json.load(f)
+                if rec["comm"] == group_name and rec["reason"].startswith("peer "):
+                    idle = 1
+            time.sleep(0.05)
+        print(f"IDLE_RECORD {idle}", flush=True)
         dist.barrier()
     print("NO_FAILURE", flush=True)
 except Exception as e:  # noqa: BLE001
