@@ -8,6 +8,9 @@
 # Prints per transport the median time per call of each setting and "paired", the median
 # of the per-round ratios on/off (the steadier figure on a small shared machine).
 #
+# TC_BASELINE=DIR compares with another checkout instead (e.g. one from before the recorder
+# existed): the "off" runs then use DIR's bench_comm, built into $TC_BUILD-baseline.
+#
 # Usage: tools/trace_cost.sh [ROUNDS [ITERS]]     (defaults 21 rounds, 2000 calls per run)
 # Environment: TC_RANKS (4), TC_TRANSPORTS ("shm socket"), TC_BYTES (8), TC_PIN (1: pin rank r
 # to the r-th usable CPU, BENCH_PIN of bench_comm), TC_BUILD (tests/c/build-trace-cost).
@@ -30,12 +33,22 @@ make -s -C "$root/tests/c" BUILD="$build" bench_comm >"$log/build" 2>&1 || {
   cat "$log/build" >&2
   exit 1
 }
+off_bin=$build/bench_comm
+if [ -n "${TC_BASELINE:-}" ]; then
+  off_bin=$build-baseline/bench_comm
+  make -s -C "$TC_BASELINE/tests/c" BUILD="$build-baseline" bench_comm >"$log/build" 2>&1 || {
+    cat "$log/build" >&2
+    exit 1
+  }
+  echo "off = $TC_BASELINE's bench_comm" >&2
+fi
 
 run_one() { # size-of-ring transport
-  local shm_off=0 t
+  local shm_off=0 t bin=$build/bench_comm
   [ "$2" = socket ] && shm_off=1
+  [ "$1" = 0 ] && bin=$off_bin
   if CHORUS_TRACE_BUFFER_SIZE=$1 CHORUS_SHM_DISABLE=$shm_off BENCH_ITERS=$iters BENCH_PIN=$pin \
-      "$build/bench_comm" "$ranks" "$bytes" "$bytes" >"$log/out" 2>"$log/err"; then
+      "$bin" "$ranks" "$bytes" "$bytes" >"$log/out" 2>"$log/err"; then
     t=$(awk '$2 == "B" && $4 == "us" { print $3; exit }' "$log/out")
     [ -n "$t" ] && { echo "$t"; return 0; }
   fi
