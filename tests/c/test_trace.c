@@ -131,9 +131,13 @@ static int rank_main(int rank, int port, const char *dir) {
                strstr(j, "\"state\": \"failed\", \"result\": \"timed out\""),
            "failure record:\n%s", j ? j : "(none)");
   } else {
-    /* idle meanwhile: the engine's watch sees rank 0's failure notice and writes */
-    sleep(3);
-    j = slurp(path);
+    /* idle meanwhile: the engine's watch sees rank 0's failure notice and writes (polled for
+     * up to 30 s: slow under valgrind) */
+    for (int i = 0; i < 300; i++) {
+      j = slurp(path);
+      if (j && strstr(j, "\"reason\": \"peer 0 failed\"")) break;
+      usleep(100000);
+    }
     EXPECT(j && strstr(j, "\"reason\": \"peer 0 failed\"") && strstr(j, "\"failed\": false"),
            "rank 1's record after rank 0 failed:\n%s", j ? j : "(none)");
   }
