@@ -15,7 +15,7 @@
   CHORUS_TRACE_DIR before its exception surfaces, and `python -m chorus.trace` names rank 2
   and the sequence number it never started (the one the others are stuck at).
 - chorus.trace on the records with one rank's file removed (as after a SIGKILL) says that
-  rank wrote none.
+  rank wrote none, and on the on-demand records (taken while all was well) that all agree.
 """
 import json
 import os
@@ -97,6 +97,10 @@ def test_flight_recorder_names_the_skipping_rank(tmp_path):
     assert sorted((f["kind"], f["rank"], f["seq"], f["op"]) for f in found) == \
         [("behind", SKIPPER, stuck_seq, "all_reduce"), ("mismatch", SKIPPER, 4, "all_reduce")], \
         found
+
+    # the on-demand records of a healthy moment: every rank agrees, exit status 0
+    tool = run_trace_tool(tmp_path / "api")
+    assert tool.returncode == 0 and "all ranks agree" in tool.stdout, tool.stdout + tool.stderr
 
     # a rank that wrote nothing (as after SIGKILL) is named as such
     partial = tmp_path / "partial"
