@@ -456,8 +456,12 @@ void Completer::shutdown() {
 // ==================================================================== WorkChorus
 
 WorkChorus::WorkChorus(OpType type, int rank, const char* profiling_title, const char* op_name,
-                       std::shared_ptr<Completer> completer, std::vector<at::Tensor> outputs)
-    : c10d::Work(rank, type, profiling_title),
+                       std::shared_ptr<Completer> completer, std::vector<at::Tensor> outputs,
+                       const std::optional<std::vector<at::Tensor>>& profiled)
+    // c10d::Work opens an asynchronous RecordFunction named profiling_title with `profiled`
+    // as its inputs when a profiler listens; finalize() ends it (recordFunctionEndCallback_),
+    // so the event spans issue to completion.
+    : c10d::Work(rank, type, profiling_title, profiled),
       op_name_(op_name),
       completer_(std::move(completer)),
       outputs_(std::move(outputs)),
@@ -754,7 +758,8 @@ uint64_t WorkChorus::getSequencenumber() const { return seq_; }
 
 ProcessGroupChorus::ProcessGroupChorus(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                        int size, std::chrono::milliseconds timeout,
-                                       const std::string& name)
+                                       const std::string& name,
+                                       const std::vector<int>& global_ranks)
     : c10d::Backend(rank, size), timeout_(timeout) {
   TORCH_CHECK(store, "chorus: a store is required");
   TORCH_CHECK(size > 0, "chorus: group size must be positive, got ", size);
@@ -786,6 +791,9 @@ ProcessGroupChorus::ProcessGroupChorus(const c10::intrusive_ptr<c10d::Store>& st
     if (comm) chorus_comm_destroy(comm);
     throwBackend(msg);
   }
+  // The flight records name job-wide ranks (splits inherit them in the core).
+  if (static_cast<int>(global_ranks.size()) == size)
+    chorus_comm_set_global_ranks(comm, global_ranks.data(), size);
   comm_ = comm;
   completer_ = std::make_shared<Completer>();
   init();
@@ -859,9 +867,14 @@ void ProcessGroupChorus::shutdown() { closeComm(false); }
 
 c10::intrusive_ptr<WorkChorus> ProcessGroupChorus::newWork(OpType type, const char* title,
                                                            const char* op_name,
-                                                           std::vector<at::Tensor> outputs) {
+                                                           std::vector<at::Tensor> outputs,
+                                                           const std::vector<at::Tensor>* profiled) {
+  // Only when a RecordFunction callback (a profiler) is registered: otherwise the copy of
+  // the tensor list would be wasted on every call.
+  std::optional<std::vector<at::Tensor>> shown;
+  if (at::hasCallbacks()) shown = profiled ? *profiled : outputs;
   return c10::make_intrusive<WorkChorus>(type, rank_, title, op_name, completer_,
-                                         std::move(outputs));
+                                         std::move(outputs), shown);
 }
 
 template <typename F>
@@ -1161,7 +1174,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::allgather(
   Checker check{op};
   check(inputs[0]);
   auto counts = gatherListCounts(outputs[0], inputs[0], rank_, size_, check, op);
-  auto work = newWork(OpType::ALLGATHER, "chorus:all_gather", op, outputs[0]);
+  auto work = newWork(OpType::ALLGATHER, "chorus:all_gather", op, outputs[0], &inputs);
   return launch(work, [&](chorus_comm_t* c, WorkChorus& w) {
     issueAllgatherList(c, w, outputs[0], inputs[0], counts, op);
   });
@@ -1182,7 +1195,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::allgather_coalesced(
     flat_outputs.insert(flat_outputs.end(), output_lists[i].begin(), output_lists[i].end());
   }
   auto work = newWork(OpType::ALLGATHER_COALESCED, "chorus:all_gather_coalesced", op,
-                      std::move(flat_outputs));
+                      std::move(flat_outputs), &inputs);
   return launch(work, [&](chorus_comm_t* c, WorkChorus& w) {
     for (size_t i = 0; i < inputs.size(); ++i)
       issueAllgatherList(c, w, output_lists[i], inputs[i], counts[i], op);
@@ -1193,7 +1206,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& /*opts*/) {
   const char* op = "all_gather_into_tensor";
   Checker check{op};
-  auto work = newWork(OpType::_ALLGATHER_BASE, "chorus:all_gather_into_tensor", op, {output});
+  std::vector<at::Tensor> shown{input};
+  auto work = newWork(OpType::_ALLGATHER_BASE, "chorus:all_gather_into_tensor", op, {output},
+                      &shown);
   GatherBase g = prepareAllgatherBase(output, input, rank_, size_, *work, check, op);
   return launch(work, [&](chorus_comm_t* c, WorkChorus& w) {
     chorus_request_t* req = nullptr;
@@ -1210,7 +1225,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::allgather_into_tensor_coalesc
   TORCH_CHECK(outputs.size() == inputs.size(), "chorus: ", op, ": ", inputs.size(),
               " inputs but ", outputs.size(), " outputs");
   Checker check{op};
-  auto work = newWork(OpType::COALESCED, "chorus:all_gather_into_tensor_coalesced", op, outputs);
+  auto work = newWork(OpType::COALESCED, "chorus:all_gather_into_tensor_coalesced", op, outputs,
+                      &inputs);
   std::vector<GatherBase> gs;
   for (size_t i = 0; i < inputs.size(); ++i)
     gs.push_back(prepareAllgatherBase(outputs[i], inputs[i], rank_, size_, *work, check, op));
@@ -1251,7 +1267,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::gather(
     TORCH_CHECK(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
                 "chorus: gather: only the root (rank ", root, ") takes output tensors");
   }
-  auto work = newWork(OpType::GATHER, "chorus:gather", op, outs);
+  auto work = newWork(OpType::GATHER, "chorus:gather", op, outs, &inputs);
   at::Tensor in = contiguousIn(inputs[0], *work);
   at::Tensor flat;
   if (rank_ == root) {
@@ -1332,7 +1348,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::reduce_scatter(
               "the input for this rank (", rank_, ") holds ", counts[rank_],
               " elements but the output holds ", outputs[0].numel());
   const auto rop = toRedop(opts.reduceOp, outputs[0].scalar_type());
-  auto work = newWork(OpType::REDUCE_SCATTER, "chorus:reduce_scatter", op, outputs);
+  auto work = newWork(OpType::REDUCE_SCATTER, "chorus:reduce_scatter", op, outputs, &inputs[0]);
   at::Tensor flat = at::empty({static_cast<int64_t>(total)},
                               outputs[0].options().memory_format(at::MemoryFormat::Contiguous));
   size_t off = 0;
@@ -1357,7 +1373,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::_reduce_scatter_base(
   Checker check{op};
   check(output);
   const auto rop = toRedop(opts.reduceOp, output.scalar_type());
-  auto work = newWork(OpType::_REDUCE_SCATTER_BASE, "chorus:reduce_scatter_tensor", op, {output});
+  std::vector<at::Tensor> shown{input};
+  auto work = newWork(OpType::_REDUCE_SCATTER_BASE, "chorus:reduce_scatter_tensor", op, {output},
+                      &shown);
   ScatterBase s = prepareReduceScatterBase(output, input, rank_, size_, *work, check, op);
   return launch(work, [&](chorus_comm_t* c, WorkChorus& w) {
     chorus_request_t* req = nullptr;
@@ -1380,7 +1398,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::reduce_scatter_tensor_coalesc
     rops.push_back(toRedop(opts.reduceOp, o.scalar_type()));
   }
   // OpType::REDUCE_SCATTER_TENSOR_COALESCED is missing from older torch.
-  auto work = newWork(OpType::COALESCED, "chorus:reduce_scatter_tensor_coalesced", op, outputs);
+  auto work = newWork(OpType::COALESCED, "chorus:reduce_scatter_tensor_coalesced", op, outputs,
+                      &inputs);
   std::vector<ScatterBase> ss;
   for (size_t i = 0; i < inputs.size(); ++i)
     ss.push_back(prepareReduceScatterBase(outputs[i], inputs[i], rank_, size_, *work, check, op));
@@ -1402,7 +1421,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::alltoall_base(
   check(output);
   check(input);
   checkSameDtype(input, output, op);
-  auto work = newWork(OpType::ALLTOALL_BASE, "chorus:all_to_all_single", op, {output});
+  std::vector<at::Tensor> shown{input};
+  auto work = newWork(OpType::ALLTOALL_BASE, "chorus:all_to_all_single", op, {output}, &shown);
   at::Tensor out = contiguousOut(output, *work, false);
   // In-place (or otherwise overlapping) exchanges read from a copy of the input.
   at::Tensor in = overlaps(input, out) ? input.clone(at::MemoryFormat::Contiguous)
@@ -1457,7 +1477,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::alltoall(std::vector<at::Tens
     stotal += scounts[p];
     rtotal += rcounts[p];
   }
-  auto work = newWork(OpType::ALLTOALL, "chorus:all_to_all", op, outputs);
+  auto work = newWork(OpType::ALLTOALL, "chorus:all_to_all", op, outputs, &inputs);
   auto opts_c = inputs[0].options().memory_format(at::MemoryFormat::Contiguous);
   at::Tensor sflat = at::empty({static_cast<int64_t>(stotal)}, opts_c);
   at::Tensor rflat = at::empty({static_cast<int64_t>(rtotal)}, opts_c);
@@ -1542,6 +1562,34 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::barrier(const c10d::BarrierOp
     auto res = chorus_ibarrier(c, &req);
     addOrThrow(c, w, res, req, op);
   });
+}
+
+// ------------------------------------------------------------------ flight recorder
+
+std::string ProcessGroupChorus::dumpTrace(const std::string& dir, const std::string& reason) {
+  std::lock_guard<std::mutex> lk(mu_);
+  TORCH_CHECK(comm_ && !closed_, "chorus: process group was shut down");
+  char path[4096];
+  chorus_result_t res = chorus_trace_dump(comm_, dir.c_str(), reason.c_str(), path, sizeof path);
+  TORCH_CHECK(res == CHORUS_SUCCESS, "chorus: dump_trace: ", chorus_comm_error(nullptr));
+  return path;
+}
+
+std::vector<std::string> dumpAllTraces(const std::string& dir, const std::string& reason) {
+  std::vector<char> paths(1 << 16);
+  int written = 0;
+  chorus_result_t res =
+      chorus_trace_dump_all(dir.c_str(), reason.c_str(), paths.data(), paths.size(), &written);
+  TORCH_CHECK(res == CHORUS_SUCCESS, "chorus: dump_trace: ", chorus_comm_error(nullptr));
+  std::vector<std::string> out;
+  const char* p = paths.data();
+  while (*p) {
+    const char* nl = std::strchr(p, '\n');
+    if (!nl) break;
+    out.emplace_back(p, nl);
+    p = nl + 1;
+  }
+  return out;
 }
 
 // ------------------------------------------------------------------ parameters

@@ -9,6 +9,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -60,8 +61,11 @@ class Completer {
 // future (its callbacks run), then the parent work is told.
 class WorkChorus : public c10d::Work {
  public:
+  // profiled: the tensors the profiler's record of the work shows (record_shapes: sizes and
+  // dtypes); nullopt when no profiler callback is registered.
   WorkChorus(c10d::OpType type, int rank, const char* profiling_title, const char* op_name,
-             std::shared_ptr<Completer> completer, std::vector<at::Tensor> outputs);
+             std::shared_ptr<Completer> completer, std::vector<at::Tensor> outputs,
+             const std::optional<std::vector<at::Tensor>>& profiled = std::nullopt);
   ~WorkChorus() override;
 
   // ---- building (before arm) ----
@@ -146,8 +150,10 @@ class ProcessGroupChorus : public c10d::Backend {
   struct SplitTag {};  // only split() can name it, so only split() uses that constructor
 
  public:
+  // global_ranks: the job-wide rank of each member (flight records), may be empty.
   ProcessGroupChorus(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                     std::chrono::milliseconds timeout, const std::string& name = "");
+                     std::chrono::milliseconds timeout, const std::string& name = "",
+                     const std::vector<int>& global_ranks = {});
   // A group over a communicator made by chorus_comm_split (public for make_intrusive).
   ProcessGroupChorus(SplitTag, chorus_comm_t* comm, std::chrono::milliseconds timeout,
                      std::shared_ptr<void> bootstrap_ctx);
@@ -216,10 +222,16 @@ class ProcessGroupChorus : public c10d::Backend {
                                                int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 
+  // Writes this group's flight record (chorus_trace_dump) into dir ("" : CHORUS_TRACE_DIR);
+  // returns the file's path.
+  std::string dumpTrace(const std::string& dir, const std::string& reason);
+
  private:
 
+  // profiled: what the profiler shows as the work's inputs (nullptr: outputs).
   c10::intrusive_ptr<WorkChorus> newWork(c10d::OpType type, const char* title,
-                                         const char* op_name, std::vector<at::Tensor> outputs);
+                                         const char* op_name, std::vector<at::Tensor> outputs,
+                                         const std::vector<at::Tensor>* profiled = nullptr);
   // Issues under the lifecycle lock: issue(comm, work) calls chorus_i*; the work is armed
   // even when issue throws, so requests already in flight keep their buffers alive.
   template <typename F>
@@ -249,5 +261,8 @@ struct ParamRow {
   bool nccl_fallback;
 };
 std::vector<ParamRow> paramTable();
+
+// Every communicator's flight record of this process (chorus_trace_dump_all): their paths.
+std::vector<std::string> dumpAllTraces(const std::string& dir, const std::string& reason);
 
 }  // namespace chorus_torch

@@ -38,15 +38,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<ProcessGroupChorus, c10::intrusive_ptr<ProcessGroupChorus>>(
       m, "ProcessGroupChorus", backend)
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                       const py::object& timeout, const std::string& name) {
+                       const py::object& timeout, const std::string& name,
+                       const std::vector<int>& global_ranks) {
              auto ms = toTimeout(timeout);
              // Creation waits on the store for every rank: let other Python threads run.
              py::gil_scoped_release nogil;
-             return c10::make_intrusive<ProcessGroupChorus>(store, rank, size, ms, name);
+             return c10::make_intrusive<ProcessGroupChorus>(store, rank, size, ms, name,
+                                                            global_ranks);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout") = py::none(),
-           py::arg("name") = std::string(),
-           "Creates the group (collective over all ranks). timeout: timedelta or seconds.")
+           py::arg("name") = std::string(), py::arg("global_ranks") = std::vector<int>(),
+           "Creates the group (collective over all ranks). timeout: timedelta or seconds. "
+           "global_ranks: the job-wide rank of each member, for the flight records.")
+      .def("_dump_trace", &ProcessGroupChorus::dumpTrace, py::arg("dir") = std::string(),
+           py::arg("reason") = std::string("api"), py::call_guard<py::gil_scoped_release>(),
+           "Writes this group's flight record into dir ('' : CHORUS_TRACE_DIR); returns the "
+           "file's path.")
       // split_group() deep-copies `backend.options` when no pg_options are given; None
       // makes the split use getBackendOptions() with the parent's timeout.
       .def_property_readonly("options", [](const ProcessGroupChorus&) { return py::none(); })
@@ -95,6 +102,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "algo: None reads CHORUS_ALGO as a communicator would, '' ignores it, else an override. "
       "unimplemented: also consider algorithms this build lacks (model only). ValueError on "
       "bad input.");
+  m.def("dump_all_traces", &chorus_torch::dumpAllTraces, py::arg("dir") = std::string(),
+        py::arg("reason") = std::string("api"), py::call_guard<py::gil_scoped_release>(),
+        "Writes the flight record of every Chorus communicator of this process into dir "
+        "('' : CHORUS_TRACE_DIR); returns their paths.");
   m.def("cuda_built", []() { return chorus_cuda_built() != 0; },
         "True if this build carries the CUDA path (kernels, CUDA IPC, stream ordering).");
   m.def("version", []() { return std::string(chorus_version()); },

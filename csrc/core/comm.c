@@ -78,6 +78,7 @@ static int timeout_from(const chorus_comm_options_t *opts) {
 }
 
 static void comm_free(struct chorus_comm *comm) {
+  trace_unregister(comm); /* first: waits for a dump that is reading this communicator */
   engine_stop(comm, 1);
   workers_stop(comm);
   cuda_teardown(comm); /* before shm: it reads the peers' flags */
@@ -94,6 +95,8 @@ static void comm_free(struct chorus_comm *comm) {
   free(comm->local_rank_of);
   free(comm->host_of);
   tune_fini(comm);
+  trace_fini(comm);
+  free(comm->global_ranks);
   pthread_mutex_destroy(&comm->mu);
   pthread_mutex_destroy(&comm->err_mu);
   pthread_cond_destroy(&comm->idle_cv);
@@ -159,6 +162,8 @@ static chorus_result_t comm_init(struct chorus_comm *comm, const chorus_comm_opt
          comm->conns[CHAN_COLL][p]->ops->name);
   }
   CHECK(tune_init(comm));
+  CHECK(trace_init(comm));
+  CHECK(trace_signal_setup(comm));
   CHECK(engine_start(comm));
   INFO(SUB_INIT, me, "communicator %s ready: %d ranks, %d on this host, timeout %d ms",
        comm->name[0] ? comm->name : "-", n, comm->nlocal, comm->timeout_ms);
@@ -191,6 +196,7 @@ static chorus_result_t comm_new(int rank, int nranks, const chorus_bootstrap_t *
     comm_free(comm);
     return res;
   }
+  trace_register(comm);
   *out = comm;
   return CHORUS_SUCCESS;
 }
@@ -258,13 +264,19 @@ chorus_result_t chorus_comm_split(chorus_comm_t *comm, int color, int key,
     if (all[r].color == color) all[m++] = all[r];
   qsort(all, (size_t)m, sizeof(*all), cmp_entry);
   int newrank = -1;
-  for (int i = 0; i < m; i++)
+  int *granks = comm->global_ranks ? malloc((size_t)m * sizeof(int)) : NULL;
+  for (int i = 0; i < m; i++) {
     if (all[i].rank == comm->rank) newrank = i;
+    if (granks) granks[i] = comm->global_ranks[all[i].rank];
+  }
   free(all);
   char prefix[96];
   snprintf(prefix, sizeof prefix, "%.60s/s%llu.%d", comm->prefix, (unsigned long long)k, color);
   chorus_comm_options_t o = {0};
   if (opts) o = *opts;
   if (o.timeout_ms <= 0) o.timeout_ms = comm->timeout_ms;
-  return comm_new(newrank, m, &comm->bs, prefix, &o, 0, newcomm);
+  res = comm_new(newrank, m, &comm->bs, prefix, &o, 0, newcomm);
+  if (res == CHORUS_SUCCESS && granks) chorus_comm_set_global_ranks(*newcomm, granks, m);
+  free(granks);
+  return res;
 }

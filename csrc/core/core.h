@@ -89,7 +89,18 @@ int chorus_log_enabled(int level, int subsys);
     "Empty: the tuner chooses. Unknown names fail communicator creation.")                   \
   X(TUNE_MODEL, "TUNE_MODEL", "string", "", 0,                                                \
     "Override the tuner's measured constants: shm=, socket=, net=LAT_US:OVERHEAD_US:GBPS, "   \
-    "reduce=GBPS, copy=GBPS (comma list; empty fields keep the measured value).")
+    "reduce=GBPS, copy=GBPS (comma list; empty fields keep the measured value).")                  \
+  X(TRACE_BUFFER_SIZE, "TRACE_BUFFER_SIZE", "int", "2000", 0,                                 \
+    "Operations each communicator's flight recorder keeps (the last ones: kind, sizes, "      \
+    "state, timestamps); 0 disables the recorder.")                                          \
+  X(TRACE_DIR, "TRACE_DIR", "string", "", 0,                                                  \
+    "Directory for flight records: when an operation fails or times out, each rank writes "  \
+    "one JSON file per communicator there (python -m chorus.trace DIR reads them); also the " \
+    "default of on-demand dumps. Empty: no automatic dumps.")                                 \
+  X(TRACE_SIGNAL, "TRACE_SIGNAL", "string", "", 0,                                            \
+    "Signal (SIGUSR2, USR2 or a number) on which every communicator of the process writes " \
+    "its flight record to CHORUS_TRACE_DIR; installed with the first communicator. Empty: "  \
+    "none.")
 
 enum param_id {
 #define X_ENUM(ID, NAME, TYPE, DEF, NCCL, DOC) PARAM_##ID,
@@ -269,6 +280,8 @@ uint32_t shm_doorbell_value(struct chorus_comm *comm);
 void shm_ring_own_doorbell(struct chorus_comm *comm);
 /* Tells every local peer that this rank failed (they fail their waits at once). */
 void shm_publish_error(struct chorus_comm *comm, const char *msg);
+/* A local peer that published a failure, or -1. Any thread. */
+int shm_failed_peer(struct chorus_comm *comm);
 
 /* socket.c */
 struct sock_state;
@@ -365,6 +378,8 @@ struct op {
   int device;
   void *start_event;          /* cudaEvent_t the op waits for before touching the buffers */
   void *staging;              /* cuda.c: pinned host copy of a point-to-point payload */
+  int64_t t_queued;           /* CLOCK_MONOTONIC ns at submission (flight recorder only) */
+  uint64_t trace_id;          /* flight-recorder record + 1, 0 if none (trace.c) */
   struct op *next;
 };
 
@@ -424,6 +439,12 @@ struct chorus_comm {
   uint32_t db_seen;                     /* doorbell value at the last progress check */
   int spin;                             /* polls before yielding (SPIN_COUNT or auto) */
   uint64_t dgen;                        /* last direct-access chunk generation */
+
+  /* flight recorder (trace.c) */
+  struct trace_ring *trace;             /* NULL when CHORUS_TRACE_BUFFER_SIZE=0 */
+  int *global_ranks;                    /* rank -> rank of the job, NULL if never given */
+  struct chorus_comm *trace_next_comm;  /* the process's list of communicators */
+  int trace_registered;
 };
 
 /* engine.c */
@@ -528,6 +549,29 @@ chorus_result_t cuda_premul(struct chorus_comm *comm, void *out, const void *in,
  * so far is done: before a rank tells its peers that its scratch holds data, or that it is
  * done reading theirs. */
 chorus_result_t cuda_drain(struct chorus_comm *comm, struct op *op);
+
+/* ------------------------------------------------------ flight recorder (trace.c) */
+/* A ring of the last CHORUS_TRACE_BUFFER_SIZE operations per communicator. Every write
+ * comes from the engine thread (no lock, no allocation); dumps read it from any thread. */
+chorus_result_t trace_init(struct chorus_comm *comm);
+void trace_fini(struct chorus_comm *comm);
+/* The engine took op: a new record, started at started_ns (0: still queued, p2p). */
+void trace_op_begin(struct chorus_comm *comm, struct op *op, int64_t started_ns);
+void trace_op_start(struct chorus_comm *comm, struct op *op, int64_t now); /* p2p bound */
+void trace_op_algo(struct chorus_comm *comm, struct op *op);               /* op->algo set */
+void trace_op_end(struct chorus_comm *comm, struct op *op, chorus_result_t res);
+/* An op failed: writes the record to CHORUS_TRACE_DIR (once per communicator). */
+void trace_on_failure(struct chorus_comm *comm, chorus_result_t res);
+/* The process's list of communicators, for dumps of all of them (signal, API). */
+void trace_register(struct chorus_comm *comm);
+void trace_unregister(struct chorus_comm *comm);
+/* While the engine is idle: should it wake now and then to call trace_idle_check, which
+ * writes the record (once) when a same-host peer has published a failure? A rank that is in
+ * no operation when the others fail writes its record too. */
+int trace_idle_watch(struct chorus_comm *comm);
+void trace_idle_check(struct chorus_comm *comm);
+/* Installs the CHORUS_TRACE_SIGNAL handler (once per process). */
+chorus_result_t trace_signal_setup(struct chorus_comm *comm);
 
 /* Error text helpers: "all_reduce seq 12 rank 3" etc. */
 int op_describe(const struct op *op, char *buf, size_t cap);

@@ -602,6 +602,7 @@ chorus_result_t cuda_run(struct chorus_comm *comm, struct op *op) {
   }
   op->algo = id;
   comm->last_algo = id;
+  trace_op_algo(comm, op);
   TRACE(SUB_COLL, comm->rank, "cuda: %s seq %llu %s over CUDA IPC", op_kind_name(op->kind),
         (unsigned long long)op->seq, algo_name(id));
   CHECK(fn(comm, op));

@@ -142,7 +142,9 @@ static void op_free(struct op *op) {
 static void op_finish(struct chorus_comm *comm, struct op *op, chorus_result_t res) {
   char msg[1400];
   msg[0] = 0;
+  trace_op_end(comm, op, res);
   if (res != CHORUS_SUCCESS) {
+    trace_on_failure(comm, res); /* on disk before the caller learns of the failure */
     pthread_mutex_lock(&comm->err_mu);
     if (comm->errbuf[0]) snprintf(msg, sizeof msg, "chorus: %s", comm->errbuf);
     pthread_mutex_unlock(&comm->err_mu);
@@ -179,6 +181,7 @@ static void p2p_take_incoming(struct chorus_comm *comm) {
   pthread_mutex_unlock(&comm->mu);
   while (in) {
     struct op *next = in->next;
+    trace_op_begin(comm, in, 0);
     if (in->kind == OP_SEND) list_push(&comm->p2p_send[in->root], in);
     else if (in->root == CHORUS_ANY_SOURCE) list_push(&comm->p2p_any, in);
     else list_push(&comm->p2p_recv[in->root], in);
@@ -244,6 +247,7 @@ chorus_result_t p2p_progress(struct chorus_comm *comm, int *progressed) {
         if (!now) now = now_ns();
         o->deadline_ns = now + (int64_t)comm->timeout_ms * 1000000LL;
         atomic_store(&o->req->state, REQ_STARTED);
+        trace_op_start(comm, o, now);
       }
       CHECK(msg_tx_progress(&s->tx, progressed));
       if (!s->tx.done) break;
@@ -291,6 +295,7 @@ chorus_result_t p2p_progress(struct chorus_comm *comm, int *progressed) {
         if (!now) now = now_ns();
         o->deadline_ns = now + (int64_t)comm->timeout_ms * 1000000LL;
         atomic_store(&o->req->state, REQ_STARTED);
+        trace_op_start(comm, o, now);
       }
       struct op *o = s->rx_op;
       CHECK(msg_rx_copy(&s->rx, o->on_device ? o->staging : o->recvbuf, progressed));
@@ -491,6 +496,7 @@ chorus_result_t engine_poll(struct chorus_comm *comm, struct op *op, int *idle_i
 }
 
 /* ---------------------------------------------------------------- the thread */
+#define IDLE_WATCH_MS 500
 static void *engine_main(void *arg) {
   struct chorus_comm *comm = arg;
   int idle = 0;
@@ -513,10 +519,13 @@ static void *engine_main(void *arg) {
     if (op) {
       chorus_result_t res;
       if (atomic_load(&comm->failed)) {
+        trace_op_begin(comm, op, 0);
         res = failed_result(comm);
       } else {
         atomic_store(&op->req->state, REQ_STARTED);
-        op->deadline_ns = now_ns() + (int64_t)comm->timeout_ms * 1000000LL;
+        int64_t start = now_ns();
+        trace_op_begin(comm, op, start);
+        op->deadline_ns = start + (int64_t)comm->timeout_ms * 1000000LL;
         TRACE(SUB_COLL, comm->rank, "%s seq %llu count %zu %s", op_kind_name(op->kind),
               (unsigned long long)op->seq, op->count, chorus_dtype_name(op->dtype));
         res = op->on_device ? cuda_run(comm, op) : algo_run(comm, op);
@@ -541,12 +550,27 @@ static void *engine_main(void *arg) {
       continue;
     }
     if (stopping || atomic_load(&comm->aborted)) break;
-    /* nothing to do: sleep until an op is submitted */
+    /* nothing to do: sleep until an op is submitted (with the flight recorder's idle watch,
+     * waking every IDLE_WATCH_MS to see whether a peer failed meanwhile) */
+    int watch = trace_idle_watch(comm), woke = 0;
     pthread_mutex_lock(&comm->mu);
     while (!comm->queue_head && !comm->p2p_incoming && !atomic_load(&comm->stop) &&
-           !atomic_load(&comm->aborted))
-      pthread_cond_wait(&comm->idle_cv, &comm->mu);
+           !atomic_load(&comm->aborted) && !woke) {
+      if (!watch) {
+        pthread_cond_wait(&comm->idle_cv, &comm->mu);
+        continue;
+      }
+      struct timespec until;
+      clock_gettime(CLOCK_REALTIME, &until);
+      until.tv_nsec += IDLE_WATCH_MS * 1000000L;
+      if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec += until.tv_nsec / 1000000000L;
+        until.tv_nsec %= 1000000000L;
+      }
+      woke = pthread_cond_timedwait(&comm->idle_cv, &comm->mu, &until) == ETIMEDOUT;
+    }
     pthread_mutex_unlock(&comm->mu);
+    if (woke) trace_idle_check(comm);
     idle = 0;
   }
   /* fail whatever is left (abort path) */
@@ -652,6 +676,7 @@ chorus_result_t engine_submit(struct chorus_comm *comm, struct op *op, chorus_re
   }
   op->req = r;
   op->next = NULL;
+  if (comm->trace) op->t_queued = now_ns();
   pthread_mutex_lock(&comm->mu);
   if (atomic_load(&comm->stop) || atomic_load(&comm->aborted)) {
     pthread_mutex_unlock(&comm->mu);

@@ -406,5 +406,6 @@ chorus_result_t algo_run(struct chorus_comm *comm, struct op *op) {
   if (!algo_usable(comm, op, id)) id = ALGO_DIRECT;
   op->algo = id;
   comm->last_algo = id;
+  trace_op_algo(comm, op);
   return algo_table[id].run[op->kind](comm, op);
 }

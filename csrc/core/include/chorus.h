@@ -268,6 +268,24 @@ int chorus_cuda_ready(chorus_comm_t *comm);
 chorus_result_t chorus_cuda_begin(chorus_comm_t *comm, int device, void *event);
 chorus_result_t chorus_cuda_end(chorus_comm_t *comm);
 
+/* ---- Flight recorder ----
+ * Each communicator keeps its last CHORUS_TRACE_BUFFER_SIZE operations (sequence number,
+ * kind, counts, dtype, reduce op, root or peer, algorithm, state, timestamps). They are
+ * written as JSON to CHORUS_TRACE_DIR when an operation fails, on CHORUS_TRACE_SIGNAL, and
+ * by these calls. dir: NULL or "" takes CHORUS_TRACE_DIR (CHORUS_ERR_INVALID if that is
+ * unset too); created if missing. reason is stored in the file ("api" if NULL). The file's
+ * path goes to path_out (cap bytes, may be NULL). The reason of a failure is in
+ * chorus_comm_error(NULL). */
+chorus_result_t chorus_trace_dump(chorus_comm_t *comm, const char *dir, const char *reason,
+                                  char *path_out, size_t cap);
+/* The same for every communicator of the process; paths (may be NULL) receives their file
+ * names, one per line, as far as cap allows; *written (may be NULL) how many were written. */
+chorus_result_t chorus_trace_dump_all(const char *dir, const char *reason, char *paths,
+                                      size_t cap, int *written);
+/* The job-wide rank of each member (n == size), shown in the records and used in their file
+ * names; splits inherit them. Optional. */
+chorus_result_t chorus_comm_set_global_ranks(chorus_comm_t *comm, const int *ranks, int n);
+
 const char *chorus_version(void);
 
 #ifdef __cplusplus

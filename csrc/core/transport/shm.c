@@ -147,6 +147,16 @@ static int pid_is_zombie(int32_t pid) {
   return rp && rp[1] == ' ' && (rp[2] == 'Z' || rp[2] == 'X');
 }
 
+int shm_failed_peer(struct chorus_comm *comm) {
+  struct shm_state *st = comm->shm;
+  if (!st) return -1;
+  for (int i = 0; i < st->nlocal; i++) {
+    if (i == st->my_local || !st->peer_seg[i]) continue;
+    if (atomic_load(&((struct seg_ctrl *)st->peer_seg[i])->failed)) return st->local_ranks[i];
+  }
+  return -1;
+}
+
 /* ---------------------------------------------------------------- vtable */
 static chorus_result_t shm_check_peer(struct shm_conn *s) {
   struct chorus_comm *comm = s->base.comm;
