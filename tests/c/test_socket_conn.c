@@ -155,7 +155,13 @@ struct stream {
   conn_t *c;
   uint64_t sent, recvd, total;
   size_t bad, misaligned;
+  /* a direct write in progress (write_direct): its buffer holds the pattern of stream
+   * positions [dstart, dstart + dlen); once begun it is written to its end */
+  uint8_t *dsrc;
+  uint64_t dstart, dlen;
+  size_t ndirect;
 };
+#define DIRECT_MAX 300000
 
 /* The tx ring is empty exactly when pollfd() asks for no POLLOUT (the engine relies on
  * this before it sleeps). */
@@ -166,7 +172,7 @@ static int tx_drained(conn_t *c) {
 
 /* Every stream sends and receives `total` bytes of the pattern, in odd-sized pieces so
  * ring wrap-around is hit at many offsets. Returns 0 on success. */
-static int pump(struct chorus_comm *comm, struct stream *st, int n, int timeout_ms) {
+static int pump_streams(struct chorus_comm *comm, struct stream *st, int n, int timeout_ms) {
   int64_t end = ms_now() + timeout_ms;
   unsigned iter = 0;
   for (;;) {
@@ -178,7 +184,27 @@ static int pump(struct chorus_comm *comm, struct stream *st, int n, int timeout_
       void *wp;
       const void *rp;
       size_t len;
-      if (s->sent < s->total) {
+      /* every fifth piece (when the transport has it) a direct write of up to DIRECT_MAX */
+      if (s->sent < s->total && c->ops->write_direct && !s->dlen && iter % 5 == 0) {
+        if (!s->dsrc && !(s->dsrc = malloc(DIRECT_MAX))) return -1;
+        uint64_t l = 1 + (iter * 2654435761u + (unsigned)i * 40503u) % DIRECT_MAX;
+        if (l > s->total - s->sent) l = s->total - s->sent;
+        for (uint64_t k = 0; k < l; k++) s->dsrc[k] = pat(s->sent + k, me, peer, ch);
+        s->dstart = s->sent;
+        s->dlen = l;
+        s->ndirect++;
+      }
+      if (s->dlen) {
+        size_t w = 0;
+        int prog = 0;
+        uint64_t off = s->sent - s->dstart;
+        if (c->ops->write_direct(c, s->dsrc + off, (size_t)(s->dlen - off), &w, &prog) !=
+            CHORUS_SUCCESS)
+          return -1;
+        s->sent += w;
+        any |= prog;
+        if (s->sent == s->dstart + s->dlen) s->dlen = 0;
+      } else if (s->sent < s->total) {
         if (c->ops->reserve(c, &wp, &len) != CHORUS_SUCCESS) return -1;
         size_t lim = 1 + (iter * 7919u + (unsigned)i * 104729u) % 70000u;
         if (len > lim) len = lim;
@@ -204,7 +230,7 @@ static int pump(struct chorus_comm *comm, struct stream *st, int n, int timeout_
         if (len && c->ops->consume(c, len) != CHORUS_SUCCESS) return -1;
         s->recvd += len;
       }
-      if (s->sent < s->total || s->recvd < s->total) done = 0;
+      if (s->sent < s->total || s->recvd < s->total || s->dlen) done = 0;
       /* finished only once our tx ring has drained into the kernel */
       if (!tx_drained(c)) done = 0;
     }
@@ -222,6 +248,15 @@ static int pump(struct chorus_comm *comm, struct stream *st, int n, int timeout_
       poll(pfd, (nfds_t)np, 50);
     }
   }
+}
+
+static int pump(struct chorus_comm *comm, struct stream *st, int n, int timeout_ms) {
+  int r = pump_streams(comm, st, n, timeout_ms);
+  for (int i = 0; i < n; i++) {
+    free(st[i].dsrc);
+    st[i].dsrc = NULL;
+  }
+  return r;
 }
 
 /* ------------------------------------------------------------ helpers for strangers */
@@ -385,14 +420,14 @@ static void rank3_main(int rank, int rfd, int wfd, uint64_t bytes) {
       if (!c) continue;
       T(strcmp(c->ops->name, "socket") == 0 && c->peer == p && c->channel == ch &&
         c->comm == comm);
-      st[n++] = (struct stream){c, 0, 0, bytes, 0, 0};
+      st[n++] = (struct stream){.c = c, .total = bytes};
     }
   /* running connect_all again finds nothing to do */
   T(socket_connect_all(comm) == CHORUS_SUCCESS);
   if (n == 2 * (NR - 1)) {
     T(pump(comm, st, n, 60000) == 0);
     for (int i = 0; i < n; i++)
-      T(st[i].bad == 0 && st[i].recvd == bytes && st[i].misaligned == 0);
+      T(st[i].bad == 0 && st[i].recvd == bytes && st[i].misaligned == 0 && st[i].ndirect > 0);
   }
   T(comm->err == CHORUS_SUCCESS);
   char ok = 1;
@@ -456,8 +491,8 @@ static void rank3_main(int rank, int rfd, int wfd, uint64_t bytes) {
   T(strstr(comm->errbuf, want) != NULL);
   if (getenv("TEST_VERBOSE")) fprintf(stderr, "rank %d error: %s\n", rank, comm->errbuf);
   /* the link between 0 and 1 still works */
-  struct stream s01[2] = {{comm->conns[0][1 - rank], 0, 0, 100000, 0, 0},
-                          {comm->conns[1][1 - rank], 0, 0, 100000, 0, 0}};
+  struct stream s01[2] = {{.c = comm->conns[0][1 - rank], .total = 100000},
+                          {.c = comm->conns[1][1 - rank], .total = 100000}};
   T(pump(comm, s01, 2, 20000) == 0 && s01[0].bad == 0 && s01[1].bad == 0);
   free_comm(comm);
 }

@@ -79,6 +79,8 @@ struct sock_conn {
   int nready;                /* accept side: sub-connections installed so far */
   int epfd;                  /* striped: epoll set of the sub-connections, polled as one */
   uint64_t chunk;            /* striped: bytes per stripe */
+  uint64_t direct_end;       /* striped: stream position where the unfinished direct write
+                                ends (sub-connections may run ahead inside it) */
   struct sock_sub *sub;      /* striped: nsub entries */
   size_t size;               /* bytes of each ring */
   uint8_t *tx, *rx;
@@ -587,7 +589,7 @@ static int striped_pollfd(struct sock_conn *s, struct pollfd *pfd) {
     struct sock_sub *u = &s->sub[i];
     uint32_t ev = 0;
     if (!u->eof ? u->rpos < s->rx_head + s->size : (i == owner && s->starving)) ev |= EPOLLIN;
-    if (u->spos < s->tx_tail) ev |= EPOLLOUT;
+    if (u->spos < (s->direct_tx ? s->direct_end : s->tx_tail)) ev |= EPOLLOUT;
     if (ev != u->events) {
       struct epoll_event e = {.events = ev, .data.u32 = (uint32_t)i};
       if (epoll_ctl(s->epfd, EPOLL_CTL_MOD, u->fd, &e) != 0) {
@@ -599,9 +601,67 @@ static int striped_pollfd(struct sock_conn *s, struct pollfd *pfd) {
     any |= ev != 0;
   }
   pfd->fd = s->epfd;
-  pfd->events = (short)((any ? POLLIN : 0) | (s->tx_tail != s->tx_head ? POLLOUT : 0));
+  pfd->events =
+      (short)((any ? POLLIN : 0) | (s->tx_tail != s->tx_head || s->direct_tx ? POLLOUT : 0));
   pfd->revents = 0;
   return 1;
+}
+
+/* write_direct of a striped connection: src is the stream from tx_tail on. Each
+ * sub-connection sends its part, from the ring below tx_tail and from src above it, in one
+ * sendmsg per chunk piece; *wrote is the prefix of src that every sub-connection has
+ * passed. Sub-connections that ran further ahead inside src remember it (their positions):
+ * the caller passes the rest of the same buffer next time (msg.c: once direct, direct to
+ * the end), and commits nothing to the ring before it is all written. */
+static chorus_result_t striped_write_direct(conn_t *c, const void *src, size_t n, size_t *wrote,
+                                            int *progressed) {
+  struct sock_conn *s = (struct sock_conn *)c;
+  *wrote = 0;
+  if (s->err) return s->err;
+  const uint64_t base = s->tx_tail, end = base + n;
+  uint64_t low = end;
+  int moved = 0;
+  s->direct_end = end;
+  for (int i = 0; i < s->nsub; i++) {
+    struct sock_sub *u = &s->sub[i];
+    for (int k = 0; k < 2 && u->spos < end; k++) {
+      uint64_t ce = chunk_end(s, u->spos), stop = ce < end ? ce : end;
+      struct iovec iov[3];
+      int niov = 0;
+      if (u->spos < base)
+        niov = ring_iov(s->tx, s->size, u->spos, (size_t)((stop < base ? stop : base) - u->spos),
+                        iov);
+      if (stop > base) {
+        uint64_t from = u->spos > base ? u->spos : base;
+        iov[niov].iov_base = (uint8_t *)(uintptr_t)src + (from - base);
+        iov[niov].iov_len = (size_t)(stop - from);
+        niov++;
+      }
+      size_t len = (size_t)(stop - u->spos);
+      struct msghdr mh = {0};
+      mh.msg_iov = iov;
+      mh.msg_iovlen = (size_t)niov;
+      ssize_t r = sendmsg(u->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (r < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
+        return conn_fail(s, errno, "send");
+      }
+      sub_advance(s, &u->spos, (uint64_t)r);
+      moved = 1;
+      if ((size_t)r < len) break;
+    }
+    if (u->spos < low) low = u->spos;
+  }
+  if (low > base) {
+    /* the ring is empty and the stream moved on by the direct bytes: positions follow */
+    *wrote = (size_t)(low - base);
+    s->tx_head = s->tx_tail = low;
+  } else {
+    s->tx_head = low;
+  }
+  if (moved) *progressed = 1;
+  s->direct_tx = *wrote < n;
+  return CHORUS_SUCCESS;
 }
 
 /* Has the peer published a failure? Asked once per closed connection; the failing peer
@@ -811,9 +871,8 @@ static const struct transport_ops sock_ops = {
     .read_direct = sock_read_direct,
 };
 
-/* Striped connections move every byte through the rings: a direct write or read would
- * have to follow several sub-connections that run ahead of each other inside the caller's
- * buffer (docs/design.md, "Multi-host sockets"). */
+/* Striped connections send large payloads straight from the caller's buffer but receive
+ * everything through the ring (docs/design.md, "Sockets between hosts"). */
 static const struct transport_ops sock_striped_ops = {
     .name = "socket",
     .reserve = sock_reserve,
@@ -823,6 +882,7 @@ static const struct transport_ops sock_striped_ops = {
     .progress = sock_progress,
     .pollfd = sock_pollfd,
     .close = sock_close,
+    .write_direct = striped_write_direct,
 };
 
 /* ------------------------------------------------------------ listen */
