@@ -16,7 +16,7 @@ per host with the rendezvous over the veth network. One job checks:
   whole size on each rank, so on a veth pair, where both directions are carried by the same
   CPUs, its ceiling is the both-ways rate per direction, not the one-way rate (on this
   2-core machine the former is about half the latter; docs/PERFORMANCE.md, "Multi-host TCP").
-  The test holds busbw to at least 60% of the both-ways rate, a loose floor (on a loaded
+  The test holds busbw to at least 70% of the both-ways rate, a loose floor (on a loaded
   machine the plain transfer, with two threads per side, gets a bigger share of the CPUs
   than Chorus's one engine thread per rank), measures once more if it is not reached, and
   prints the one-way ratio, the bar of issue 7, which this machine cannot reach.
@@ -37,7 +37,7 @@ import simhosts  # noqa: E402
 
 WORKER = os.path.join(HERE, "workers", "multihost.py")
 PERF_BYTES = int(os.environ.get("MH_PERF_BYTES", str(256 << 20)))
-BAR_BIDIR = 0.60
+BAR_BIDIR = 0.70
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +151,10 @@ def test_multihost_allreduce_busbw_vs_plain_tcp(hosts):
             os.chmod(outdir, 0o777)
             results = run_job(hosts, outdir, 1, {
                 "MH_PERF_BYTES": str(PERF_BYTES), "MH_PERF_ROUNDS": "3", "MH_CHECKS": "0",
-                "CHORUS_DEBUG": "WARN"})
+                "CHORUS_DEBUG": "WARN",
+                # the two simulated hosts share this machine's cores; a waiting rank that
+                # spins takes them from the other host's kernel work
+                "CHORUS_SPIN_COUNT": "0"})
             perf = results[0]["perf"]
             attempts.append(perf)
             print(f"multihost perf attempt {attempt + 1}: plain TCP {perf['plain_GBps']:.2f} GB/s "

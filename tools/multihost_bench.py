@@ -8,7 +8,8 @@ per host started by `torchrun --nnodes=2`, measured interleaved in one job
                                      [--family AF_INET|AF_INET6] [--python .venv/bin/python]
 
 --nsocks runs one job per CHORUS_NSOCKS_PERTHREAD value (-1: the default). busbw of a
-2-rank all_reduce is its algbw (2(n-1)/n = 1). The namespaces are removed at the end, also
+2-rank all_reduce is its algbw (2(n-1)/n = 1). CHORUS_SPIN_COUNT is 0 unless set: each
+simulated host believes it has the machine's cores to itself, but they share them. The namespaces are removed at the end, also
 after a failure."""
 import argparse
 import json
@@ -49,7 +50,10 @@ def main():
                 env = {"MH_OUT": out, "MH_CHECKS": "0", "MH_PERF_BYTES": str(nbytes),
                        "MH_PERF_ROUNDS": str(a.rounds), "MH_PEER_ADDR": peer,
                        "CHORUS_SOCKET_FAMILY": a.family, "CHORUS_NSOCKS_PERTHREAD": ns,
-                       "CHORUS_SOCKET_IFNAME": simhosts.PREFIX + "v"}
+                       "CHORUS_SOCKET_IFNAME": simhosts.PREFIX + "v",
+                       # both simulated hosts share this machine's cores: a rank that spins
+                       # while it waits takes them from the other host's kernel work
+                       "CHORUS_SPIN_COUNT": os.environ.get("CHORUS_SPIN_COUNT", "0")}
                 codes = simhosts.run_torchrun_job(
                     hosts, os.path.join(ROOT, "tests", "workers", "multihost.py"), 1, out, env,
                     env, timeout=600, python=a.python)
