@@ -24,6 +24,10 @@ def _run(argv, check=True):
     return r
 
 
+class NamespacesUnavailable(RuntimeError):
+    """`ip netns add` itself failed: this machine cannot make network namespaces."""
+
+
 def missing_capability():
     """Why namespaces cannot be made here (a clear skip reason), or None if they can."""
     if os.geteuid() != 0:
@@ -49,9 +53,13 @@ class SimHosts:
         self.created = []
 
     def setup(self):
-        """Creates both hosts; raises RuntimeError (with ip's message) if it cannot."""
+        """Creates both hosts; raises NamespacesUnavailable if no namespace can be made here,
+        RuntimeError (with ip's message) if a later step fails."""
         for h in ("a", "b"):
-            _run(["ip", "netns", "add", self.ns[h]])
+            try:
+                _run(["ip", "netns", "add", self.ns[h]])
+            except RuntimeError as e:
+                raise NamespacesUnavailable(str(e)) from e
             self.created.append(self.ns[h])
         a, b = self.ns["a"], self.ns["b"]
         # both ends born inside the namespaces

@@ -48,10 +48,11 @@ def hosts():
     h = simhosts.SimHosts()
     try:
         h.setup()
-    except RuntimeError as e:
+    except simhosts.NamespacesUnavailable as e:
         h.teardown()
-        if "Operation not permitted" in str(e) or "Permission denied" in str(e):
-            pytest.skip(f"network namespaces cannot be created here: {e}")
+        pytest.skip(f"network namespaces cannot be created here: {e}")
+    except BaseException:
+        h.teardown()
         raise
     yield h
     h.teardown()
