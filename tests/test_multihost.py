@@ -16,7 +16,7 @@ per host with the rendezvous over the veth network. One job checks:
   whole size on each rank, so on a veth pair, where both directions are carried by the same
   CPUs, its ceiling is the both-ways rate per direction, not the one-way rate (on this
   2-core machine the former is about half the latter; docs/PERFORMANCE.md, "Multi-host TCP").
-  The test holds busbw to at least 70% of the both-ways rate, a loose floor (on a loaded
+  The test holds busbw to at least 50% of the both-ways rate, a loose floor (on a loaded
   machine the plain transfer, with two threads per side, gets a bigger share of the CPUs
   than Chorus's one engine thread per rank), measures once more if it is not reached, and
   prints the one-way ratio, the bar of issue 7, which this machine cannot reach.
@@ -37,7 +37,7 @@ import simhosts  # noqa: E402
 
 WORKER = os.path.join(HERE, "workers", "multihost.py")
 PERF_BYTES = int(os.environ.get("MH_PERF_BYTES", str(256 << 20)))
-BAR_BIDIR = 0.70
+BAR_BIDIR = 0.50
 
 
 @pytest.fixture(scope="module")
