@@ -62,6 +62,12 @@ int chorus_log_enabled(int level, int subsys);
   X(SOCKET_IFNAME, "SOCKET_IFNAME", "string", "", 1,                                          \
     "Network interfaces to use for sockets between hosts: prefix list, ^ to exclude, = for "  \
     "an exact name. Empty: the first interface that is up and not loopback.")                 \
+  X(SOCKET_FAMILY, "SOCKET_FAMILY", "string", "", 1,                                          \
+    "Address family advertised for sockets between hosts: AF_INET or AF_INET6. Empty: IPv4 "  \
+    "where the chosen interface has it, else IPv6 (link-local only if nothing else).")        \
+  X(NSOCKS_PERTHREAD, "NSOCKS_PERTHREAD", "int", "-1", 1,                                     \
+    "TCP connections per peer and channel, striped in fixed chunks (1 to 16); -1: 1 on the "  \
+    "same host, 2 between hosts.")                                                            \
   X(SPIN_COUNT, "SPIN_COUNT", "int", "-1", 0,                                                \
     "Polls of an idle connection before the waiting thread yields the core, then sleeps; "    \
     "-1: 2000 when every local rank has a core of its own, else 0.")                         \
@@ -299,12 +305,12 @@ void socket_abort_conns(struct chorus_comm *comm);
 /* Connection setup messages (exposed for tests/fuzz/fuzz_wire.c). The acceptor checks a
  * complete hello (SOCK_HELLO_LEN bytes at h) against comm: NULL if acceptable, else the
  * reason (static text, or written into why). The connector checks the ack of peer on
- * channel (SOCK_ACK_LEN bytes): 1 if it is right. */
-#define SOCK_HELLO_LEN 52
-#define SOCK_ACK_LEN 16
+ * channel for sub-connection stream (SOCK_ACK_LEN bytes): 1 if it is right. */
+#define SOCK_HELLO_LEN 64
+#define SOCK_ACK_LEN 20
 const char *socket_hello_problem(struct chorus_comm *comm, const uint8_t *h, char *why,
                                  size_t cap);
-int socket_ack_ok(const uint8_t *ack, int peer, int channel);
+int socket_ack_ok(const uint8_t *ack, int peer, int channel, int stream);
 
 /* ------------------------------------------------------ bootstrap (bootstrap.c) */
 /* Key/value helpers that prefix keys with comm->prefix. */

@@ -1,8 +1,9 @@
 /* test_socket_conn.c - end-to-end test of the socket transport without the engine:
  * forked ranks with hand-filled communicators run socket_listen / socket_connect_all,
  * move data through reserve/commit/progress/peek/consume, see peers die, and reject
- * strangers. Loopback only. Prints "N passed, M failed". Optional argv[1]: MiB for the
- * throughput run (0 skips it). */
+ * strangers; over one TCP connection per peer and striped over several, IPv4 (127.0.0.1)
+ * and IPv6 (::1). Loopback only. Prints "N passed, M failed". Optional argv[1]: MiB for
+ * the throughput runs (0 skips them). */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
@@ -51,6 +52,8 @@ static const char *env_param(enum param_id id) {
   const char *n = id == PARAM_BUFFSIZE ? "BUFFSIZE"
                   : id == PARAM_SOCKET_IFNAME ? "SOCKET_IFNAME"
                   : id == PARAM_SOCKET_SNDBUF ? "SOCKET_SNDBUF"
+                  : id == PARAM_SOCKET_FAMILY ? "SOCKET_FAMILY"
+                  : id == PARAM_NSOCKS_PERTHREAD ? "NSOCKS_PERTHREAD"
                                               : NULL;
   char k[64];
   if (!n) return NULL;
@@ -60,7 +63,7 @@ static const char *env_param(enum param_id id) {
 __attribute__((weak)) int64_t param_int(enum param_id id) {
   const char *v = env_param(id);
   if (v) return strtoll(v, NULL, 0);
-  return id == PARAM_BUFFSIZE ? 4 << 20 : 0;
+  return id == PARAM_BUFFSIZE ? 4 << 20 : id == PARAM_NSOCKS_PERTHREAD ? -1 : 0;
 }
 __attribute__((weak)) const char *param_str(enum param_id id) {
   const char *v = env_param(id);
@@ -152,7 +155,13 @@ struct stream {
   conn_t *c;
   uint64_t sent, recvd, total;
   size_t bad, misaligned;
+  /* a direct write in progress (write_direct): its buffer holds the pattern of stream
+   * positions [dstart, dstart + dlen); once begun it is written to its end */
+  uint8_t *dsrc;
+  uint64_t dstart, dlen;
+  size_t ndirect;
 };
+#define DIRECT_MAX 300000
 
 /* The tx ring is empty exactly when pollfd() asks for no POLLOUT (the engine relies on
  * this before it sleeps). */
@@ -163,7 +172,7 @@ static int tx_drained(conn_t *c) {
 
 /* Every stream sends and receives `total` bytes of the pattern, in odd-sized pieces so
  * ring wrap-around is hit at many offsets. Returns 0 on success. */
-static int pump(struct chorus_comm *comm, struct stream *st, int n, int timeout_ms) {
+static int pump_streams(struct chorus_comm *comm, struct stream *st, int n, int timeout_ms) {
   int64_t end = ms_now() + timeout_ms;
   unsigned iter = 0;
   for (;;) {
@@ -175,7 +184,27 @@ static int pump(struct chorus_comm *comm, struct stream *st, int n, int timeout_
       void *wp;
       const void *rp;
       size_t len;
-      if (s->sent < s->total) {
+      /* every fifth piece (when the transport has it) a direct write of up to DIRECT_MAX */
+      if (s->sent < s->total && c->ops->write_direct && !s->dlen && iter % 5 == 0) {
+        if (!s->dsrc && !(s->dsrc = malloc(DIRECT_MAX))) return -1;
+        uint64_t l = 1 + (iter * 2654435761u + (unsigned)i * 40503u) % DIRECT_MAX;
+        if (l > s->total - s->sent) l = s->total - s->sent;
+        for (uint64_t k = 0; k < l; k++) s->dsrc[k] = pat(s->sent + k, me, peer, ch);
+        s->dstart = s->sent;
+        s->dlen = l;
+        s->ndirect++;
+      }
+      if (s->dlen) {
+        size_t w = 0;
+        int prog = 0;
+        uint64_t off = s->sent - s->dstart;
+        if (c->ops->write_direct(c, s->dsrc + off, (size_t)(s->dlen - off), &w, &prog) !=
+            CHORUS_SUCCESS)
+          return -1;
+        s->sent += w;
+        any |= prog;
+        if (s->sent == s->dstart + s->dlen) s->dlen = 0;
+      } else if (s->sent < s->total) {
         if (c->ops->reserve(c, &wp, &len) != CHORUS_SUCCESS) return -1;
         size_t lim = 1 + (iter * 7919u + (unsigned)i * 104729u) % 70000u;
         if (len > lim) len = lim;
@@ -201,7 +230,7 @@ static int pump(struct chorus_comm *comm, struct stream *st, int n, int timeout_
         if (len && c->ops->consume(c, len) != CHORUS_SUCCESS) return -1;
         s->recvd += len;
       }
-      if (s->sent < s->total || s->recvd < s->total) done = 0;
+      if (s->sent < s->total || s->recvd < s->total || s->dlen) done = 0;
       /* finished only once our tx ring has drained into the kernel */
       if (!tx_drained(c)) done = 0;
     }
@@ -221,14 +250,36 @@ static int pump(struct chorus_comm *comm, struct stream *st, int n, int timeout_
   }
 }
 
+static int pump(struct chorus_comm *comm, struct stream *st, int n, int timeout_ms) {
+  int r = pump_streams(comm, st, n, timeout_ms);
+  for (int i = 0; i < n; i++) {
+    free(st[i].dsrc);
+    st[i].dsrc = NULL;
+  }
+  return r;
+}
+
 /* ------------------------------------------------------------ helpers for strangers */
-static void make_hello(uint8_t *h, const uint8_t *secret, int rank, int ch, int nranks) {
+static void make_hello_sub(uint8_t *h, const uint8_t *secret, int rank, int ch, int nranks,
+                           int stream, int nstreams, uint32_t chunk) {
   put32(h, 0x43534b48u);
-  put32(h + 4, 1);
+  put32(h + 4, 2);
   memcpy(h + 8, secret, 32);
   put32(h + 40, (uint32_t)rank);
   put32(h + 44, (uint32_t)ch);
   put32(h + 48, (uint32_t)nranks);
+  put32(h + 52, (uint32_t)stream);
+  put32(h + 56, (uint32_t)nstreams);
+  put32(h + 60, chunk);
+}
+static void make_hello(uint8_t *h, const uint8_t *secret, int rank, int ch, int nranks) {
+  make_hello_sub(h, secret, rank, ch, nranks, 0, 1, 0);
+}
+
+/* "127.0.0.1" or "::1", as the tests' SOCKET_FAMILY asks */
+static int v6_mode(void) {
+  const char *f = getenv("CHORUS_SOCKET_FAMILY");
+  return f && strcmp(f, "AF_INET6") == 0;
 }
 
 static int parse_port(const char *addr) {
@@ -237,12 +288,19 @@ static int parse_port(const char *addr) {
 }
 
 static int loop_connect(int port) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  int v6 = v6_mode();
+  int fd = socket(v6 ? AF_INET6 : AF_INET, SOCK_STREAM, 0);
   struct sockaddr_in a = {0};
+  struct sockaddr_in6 a6 = {0};
   a.sin_family = AF_INET;
   a.sin_port = htons((uint16_t)port);
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+  a6.sin6_family = AF_INET6;
+  a6.sin6_port = htons((uint16_t)port);
+  a6.sin6_addr = in6addr_loopback;
+  struct sockaddr *sa = v6 ? (struct sockaddr *)&a6 : (struct sockaddr *)&a;
+  socklen_t sl = v6 ? (socklen_t)sizeof a6 : (socklen_t)sizeof a;
+  if (fd >= 0 && connect(fd, sa, sl) != 0) {
     close(fd);
     fd = -1;
   }
@@ -332,7 +390,9 @@ static void rank3_main(int rank, int rfd, int wfd, uint64_t bytes) {
   snprintf(me.hostname, sizeof me.hostname, "%s", rank < 2 ? "nodeA" : "nodeB");
   me.pid = (int32_t)getpid();
   T(socket_listen(comm, &me) == CHORUS_SUCCESS);
-  T(strncmp(me.sock_addr, "127.0.0.1:", 10) == 0); /* CHORUS_SOCKET_IFNAME is =lo */
+  /* CHORUS_SOCKET_IFNAME is =lo */
+  T(v6_mode() ? strncmp(me.sock_addr, "[::1]:", 6) == 0
+              : strncmp(me.sock_addr, "127.0.0.1:", 10) == 0);
   struct peer_info again;
   T(socket_listen(comm, &again) == CHORUS_ERR_INTERNAL); /* twice is refused */
   T(comm->sock != NULL);
@@ -360,14 +420,14 @@ static void rank3_main(int rank, int rfd, int wfd, uint64_t bytes) {
       if (!c) continue;
       T(strcmp(c->ops->name, "socket") == 0 && c->peer == p && c->channel == ch &&
         c->comm == comm);
-      st[n++] = (struct stream){c, 0, 0, bytes, 0, 0};
+      st[n++] = (struct stream){.c = c, .total = bytes};
     }
   /* running connect_all again finds nothing to do */
   T(socket_connect_all(comm) == CHORUS_SUCCESS);
   if (n == 2 * (NR - 1)) {
     T(pump(comm, st, n, 60000) == 0);
     for (int i = 0; i < n; i++)
-      T(st[i].bad == 0 && st[i].recvd == bytes && st[i].misaligned == 0);
+      T(st[i].bad == 0 && st[i].recvd == bytes && st[i].misaligned == 0 && st[i].ndirect > 0);
   }
   T(comm->err == CHORUS_SUCCESS);
   char ok = 1;
@@ -431,8 +491,8 @@ static void rank3_main(int rank, int rfd, int wfd, uint64_t bytes) {
   T(strstr(comm->errbuf, want) != NULL);
   if (getenv("TEST_VERBOSE")) fprintf(stderr, "rank %d error: %s\n", rank, comm->errbuf);
   /* the link between 0 and 1 still works */
-  struct stream s01[2] = {{comm->conns[0][1 - rank], 0, 0, 100000, 0, 0},
-                          {comm->conns[1][1 - rank], 0, 0, 100000, 0, 0}};
+  struct stream s01[2] = {{.c = comm->conns[0][1 - rank], .total = 100000},
+                          {.c = comm->conns[1][1 - rank], .total = 100000}};
   T(pump(comm, s01, 2, 20000) == 0 && s01[0].bad == 0 && s01[1].bad == 0);
   free_comm(comm);
 }
@@ -448,7 +508,7 @@ static void test_three_ranks(uint64_t bytes) {
   int port0 = parse_port(peers[0].sock_addr);
   int silent = loop_connect(port0);
   T(silent >= 0);
-  uint8_t junk[52], wrong[32], hs[4][52];
+  uint8_t junk[SOCK_HELLO_LEN], wrong[32], hs[7][SOCK_HELLO_LEN];
   memset(junk, 'x', sizeof junk);
   memcpy(wrong, SECRET, 32);
   wrong[31] ^= 1;
@@ -456,12 +516,15 @@ static void test_three_ranks(uint64_t bytes) {
   make_hello(hs[1], SECRET, 0, 0, NR);     /* rank 0 does not accept from itself */
   make_hello(hs[2], SECRET, 1, 0, NR + 2); /* different communicator size */
   make_hello(hs[3], SECRET, 2, 7, NR);     /* bad channel */
-  const uint8_t *bad[5] = {junk, hs[0], hs[1], hs[2], hs[3]};
-  for (int i = 0; i < 5; i++) {
+  make_hello_sub(hs[4], SECRET, 1, 0, NR, 2, 2, 8192);  /* sub-connection out of range */
+  make_hello_sub(hs[5], SECRET, 1, 0, NR, 0, 17, 8192); /* too many sub-connections */
+  make_hello_sub(hs[6], SECRET, 1, 0, NR, 0, 2, 100);   /* stripe too small */
+  const uint8_t *bad[8] = {junk, hs[0], hs[1], hs[2], hs[3], hs[4], hs[5], hs[6]};
+  for (int i = 0; i < 8; i++) {
     int fd = loop_connect(port0);
     T(fd >= 0);
     if (fd < 0) continue;
-    T(send(fd, bad[i], 52, MSG_NOSIGNAL) == 52);
+    T(send(fd, bad[i], SOCK_HELLO_LEN, MSG_NOSIGNAL) == SOCK_HELLO_LEN);
     T(closed_no_ack(fd, 5000));
     close(fd);
   }
@@ -480,7 +543,9 @@ static void test_three_ranks(uint64_t bytes) {
 
 /* ------------------------------------------------------------ duplicates and timeout */
 /* Rank 0 of 2 waits for rank 1, which the parent impersonates: one valid hello on the
- * coll channel (acked), a duplicate of it (rejected), and never the p2p channel. */
+ * coll channel (acked), a duplicate of it (rejected); on the p2p channel sub-connection 0
+ * of 2 (acked), a duplicate of it and a sub-connection 1 with another stripe (both
+ * rejected), so that connection never completes. */
 static void dup_main(int rank, int rfd, int wfd, uint64_t bytes) {
   (void)rank;
   (void)bytes;
@@ -498,7 +563,7 @@ static void dup_main(int rank, int rfd, int wfd, uint64_t bytes) {
   T(dt >= 1400 && dt < 4000);
   T(strstr(comm->errbuf, "timed out") != NULL && strstr(comm->errbuf, "from rank 1") != NULL);
   if (getenv("TEST_VERBOSE")) fprintf(stderr, "timeout error: %s\n", comm->errbuf);
-  T(comm->conns[CHAN_COLL][1] != NULL && comm->conns[CHAN_P2P][1] == NULL);
+  T(comm->conns[CHAN_COLL][1] != NULL && comm->conns[CHAN_P2P][1] != NULL); /* partial */
   free_comm(comm);
 }
 
@@ -511,7 +576,7 @@ static void test_duplicate_and_timeout(void) {
   char go = 1;
   T(full_io(to[0][1], &go, 1, 1) == 0);
   int port = parse_port(p0.sock_addr);
-  uint8_t h[52], ack[16];
+  uint8_t h[SOCK_HELLO_LEN], ack[SOCK_ACK_LEN];
   make_hello(h, SECRET, 1, 0, 2);
   int a = loop_connect(port), b = loop_connect(port);
   T(a >= 0 && b >= 0);
@@ -522,7 +587,25 @@ static void test_duplicate_and_timeout(void) {
     T(send(b, h, sizeof h, MSG_NOSIGNAL) == (ssize_t)sizeof h);
     T(closed_no_ack(b, 3000));
   }
+  int sub[3];
+  for (int i = 0; i < 3; i++) {
+    sub[i] = loop_connect(port);
+    T(sub[i] >= 0);
+  }
+  if (sub[0] >= 0 && sub[1] >= 0 && sub[2] >= 0) {
+    make_hello_sub(h, SECRET, 1, 1, 2, 0, 2, 8192);
+    T(send(sub[0], h, sizeof h, MSG_NOSIGNAL) == (ssize_t)sizeof h);
+    T(recv(sub[0], ack, sizeof ack, MSG_WAITALL) == (ssize_t)sizeof ack);
+    T(ack[0] == 'C' && ack[3] == 'A' && get32(ack + 16) == 0);
+    T(send(sub[1], h, sizeof h, MSG_NOSIGNAL) == (ssize_t)sizeof h); /* same sub again */
+    T(closed_no_ack(sub[1], 3000));
+    make_hello_sub(h, SECRET, 1, 1, 2, 1, 2, 4096); /* another stripe */
+    T(send(sub[2], h, sizeof h, MSG_NOSIGNAL) == (ssize_t)sizeof h);
+    T(closed_no_ack(sub[2], 3000));
+  }
   collect(1, from, to, pids);
+  for (int i = 0; i < 3; i++)
+    if (sub[i] >= 0) close(sub[i]);
   if (a >= 0) close(a);
   if (b >= 0) close(b);
 }
@@ -609,9 +692,11 @@ static void bench_main(int rank, int rfd, int wfd, uint64_t bytes) {
   int64_t dt = ms_now() - t0;
   T(ok && moved == bytes);
   if (rank == 0)
-    printf("socket transport: %llu MiB in %lld ms = %.2f GB/s (ring %zu KiB)\n",
-           (unsigned long long)(bytes >> 20), (long long)dt,
-           dt > 0 ? (double)bytes / ((double)dt * 1e6) : 0.0, ring_bytes() >> 10);
+    printf("socket transport: %llu MiB in %lld ms = %.2f GB/s (ring %zu KiB, %d TCP "
+           "connection%s)\n", (unsigned long long)(bytes >> 20), (long long)dt,
+           dt > 0 ? (double)bytes / ((double)dt * 1e6) : 0.0, ring_bytes() >> 10,
+           getenv("CHORUS_NSOCKS_PERTHREAD") ? atoi(getenv("CHORUS_NSOCKS_PERTHREAD")) : 1,
+           getenv("CHORUS_NSOCKS_PERTHREAD") ? "s" : "");
   char b = 1;
   T(full_io(wfd, &b, 1, 1) == 0);
   T(full_io(rfd, &b, 1, 0) == 0);
@@ -647,11 +732,32 @@ int main(int argc, char **argv) {
   setenv("CHORUS_BUFFSIZE", "200000", 1);
   param_reset_cache();
   test_three_ranks(3u << 20);
+  /* striped over 3 TCP connections per peer and channel, 8 KiB stripes in a 64 KiB ring:
+   * sub-connections run ahead of each other and wrap the ring constantly */
+  setenv("CHORUS_NSOCKS_PERTHREAD", "3", 1);
+  setenv("CHORUS_BUFFSIZE", "65536", 1);
+  param_reset_cache();
+  test_three_ranks(4u << 20);
+  /* IPv6 over ::1, striped over 2 (and, by default below, 1 on the same host) */
+  setenv("CHORUS_SOCKET_FAMILY", "AF_INET6", 1);
+  setenv("CHORUS_NSOCKS_PERTHREAD", "2", 1);
+  setenv("CHORUS_BUFFSIZE", "200000", 1);
+  param_reset_cache();
+  test_three_ranks(3u << 20);
+  setenv("CHORUS_NSOCKS_PERTHREAD", "-1", 1);
+  param_reset_cache();
+  test_three_ranks(1u << 20);
+  unsetenv("CHORUS_SOCKET_FAMILY");
+  unsetenv("CHORUS_NSOCKS_PERTHREAD");
   uint64_t mb = argc > 1 ? strtoull(argv[1], NULL, 0) : 256;
   if (mb) {
     unsetenv("CHORUS_BUFFSIZE");
     param_reset_cache();
     test_bench(mb << 20);
+    setenv("CHORUS_NSOCKS_PERTHREAD", "4", 1);
+    param_reset_cache();
+    test_bench(mb << 20);
+    unsetenv("CHORUS_NSOCKS_PERTHREAD");
   }
   printf("test_socket_conn: %d passed, %d failed\n", g_pass, g_fail);
   return g_fail ? 1 : 0;

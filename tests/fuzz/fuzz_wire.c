@@ -219,7 +219,7 @@ static void fuzz_setup(const uint8_t *cfg, const uint8_t *data, size_t size) {
   if (size >= SOCK_ACK_LEN) {
     uint8_t *a = malloc(SOCK_ACK_LEN);
     memcpy(a, data, SOCK_ACK_LEN);
-    (void)socket_ack_ok(a, (int)(cfg[1] % 16), cfg[2] & 1);
+    (void)socket_ack_ok(a, (int)(cfg[1] % 16), cfg[2] & 1, (int)(cfg[0] % 4));
     free(a);
   }
   for (int ch = 0; ch < CHAN_COUNT; ch++) {

@@ -36,12 +36,14 @@ def msg(mode, chunk, kind, dtype, redop, algo, count, seq, root, hdr=None, paylo
 
 
 def setup(nranks, rank, occupied, hello_rank, channel, hello_nranks=None, secret=None,
-          version=1, ack_ok=True):
+          version=2, ack_ok=True, stream=0, nstreams=1, chunk=0):
     cfg = bytes([nranks - 1, rank, occupied])
     secret = secret if secret is not None else bytes(0xA5 ^ i for i in range(32))
     hello = struct.pack(">II", HELLO_MAGIC, version) + secret
     hello += struct.pack(">III", hello_rank, channel, hello_nranks or nranks)
-    ack = struct.pack(">IIII", ACK_MAGIC if ack_ok else 0, 1, rank % 16, occupied & 1)
+    hello += struct.pack(">III", stream, nstreams, chunk)
+    ack = struct.pack(">IIIII", ACK_MAGIC if ack_ok else 0, 2, rank % 16, occupied & 1,
+                      stream)
     return bytes([0x80]) + cfg + hello + ack
 
 
@@ -72,7 +74,10 @@ wire = {
     "hello-rank-low": setup(4, 2, 0, 1, 0, ack_ok=False),
     "hello-nranks": setup(4, 0, 0, 2, 1, hello_nranks=5),
     "hello-channel": setup(16, 3, 0, 15, 2),
-    "hello-version": setup(2, 0, 0, 1, 0, version=2),
+    "hello-version": setup(2, 0, 0, 1, 0, version=1),
+    "hello-striped": setup(4, 0, 0, 3, 0, stream=1, nstreams=4, chunk=65536),
+    "hello-stream-range": setup(4, 0, 0, 3, 0, stream=4, nstreams=4, chunk=65536),
+    "hello-stripe-small": setup(4, 0, 0, 3, 0, stream=0, nstreams=2, chunk=16),
 }
 params = {
     "int": b"\x00 -42 ",

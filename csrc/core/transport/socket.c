@@ -1,6 +1,7 @@
 /* socket.c - the TCP transport: the listening socket and choice of the advertised
- * interface, authenticated connection setup between ranks (hello / ack), and the
- * per-connection user-space tx/rx rings that progress() moves with send()/recv(). */
+ * interface (IPv4 or IPv6), authenticated connection setup between ranks (hello / ack, one
+ * per TCP sub-connection), and the per-connection user-space tx/rx rings that progress()
+ * moves with send()/recv(), over one TCP connection or striped over several. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -15,6 +16,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -25,9 +28,14 @@
 
 #define HELLO_MAGIC 0x43534b48u   /* "CSKH": connector -> acceptor */
 #define ACK_MAGIC 0x43534b41u     /* "CSKA": acceptor -> connector */
-#define SOCK_VERSION 1u
-#define HELLO_LEN SOCK_HELLO_LEN  /* magic, version, secret[32], rank, channel, nranks */
-#define ACK_LEN SOCK_ACK_LEN      /* magic, version, rank, channel */
+#define SOCK_VERSION 2u           /* 2: sub-connection fields in hello and ack */
+#define HELLO_LEN SOCK_HELLO_LEN  /* magic, version, secret[32], rank, channel, nranks,
+                                     stream, nstreams, chunk */
+#define ACK_LEN SOCK_ACK_LEN      /* magic, version, rank, channel, stream */
+#define MAX_STREAMS 16            /* TCP sub-connections of one connection */
+#define STREAMS_REMOTE 2          /* NSOCKS_PERTHREAD=-1 between hosts (docs/design.md) */
+#define CHUNK_MIN 4096u           /* stripe unit bounds, as the hello may carry them */
+#define CHUNK_MAX (1u << 20)
 #define HELLO_WAIT_MS 5000        /* a silent stranger is dropped after this */
 #define MAX_PENDING 256           /* accepted sockets still owing their hello */
 #define FAILURE_WAIT_MS 300       /* how long a closed connection looks for the peer's reason */
@@ -47,15 +55,33 @@ union sockaddr_any {
 struct sock_state {
   int listen_fd;             /* -1 once closed */
   int aborted;               /* socket_abort_conns ran */
-  int family;                /* AF_INET for now; AF_INET6 fits the same code paths */
+  int family;                /* of the advertised address: AF_INET or AF_INET6 */
+  unsigned ifindex;          /* of the chosen interface: scope of IPv6 link-local peers */
   uint16_t port;
   char addr[ADDR_LEN];       /* advertised "ip:port" */
   char ifname[IF_NAMESIZE];
 };
 
+/* One TCP connection of a striped connection. The byte stream of each direction is cut
+ * into chunks of `chunk` bytes; chunk k travels on sub-connection k % nsub, so each side
+ * knows where every byte belongs without any framing. Positions are stream offsets. */
+struct sock_sub {
+  int fd;
+  int eof;                   /* recv() returned 0 */
+  uint32_t events;           /* registered with the connection's epoll set */
+  uint64_t spos, rpos;       /* next stream byte to send / to receive on this one */
+};
+
 struct sock_conn {
   conn_t base;               /* first, so conn_t * and struct sock_conn * convert */
-  int fd;
+  int fd;                    /* the one TCP connection when nsub == 1, else -1 */
+  int nsub;                  /* TCP connections; > 1: striped over sub[] */
+  int nready;                /* accept side: sub-connections installed so far */
+  int epfd;                  /* striped: epoll set of the sub-connections, polled as one */
+  uint64_t chunk;            /* striped: bytes per stripe */
+  uint64_t direct_end;       /* striped: stream position where the unfinished direct write
+                                ends (sub-connections may run ahead inside it) */
+  struct sock_sub *sub;      /* striped: nsub entries */
   size_t size;               /* bytes of each ring */
   uint8_t *tx, *rx;
   uint64_t tx_head, tx_tail; /* free-running: head = sent, tail = committed */
@@ -72,7 +98,7 @@ struct sock_conn {
   char peer_addr[ADDR_LEN + 80]; /* for messages: advertised address and host name */
 };
 
-static const struct transport_ops sock_ops;
+static const struct transport_ops sock_ops, sock_striped_ops;
 
 static const char *chan_name(int ch) { return ch == CHAN_COLL ? "coll" : "p2p"; }
 
@@ -191,10 +217,32 @@ static int if_rank(const struct ifaddrs *ifa, int user_spec) {
   return 0;
 }
 
+/* Within one interface class, IPv4 first (what a mixed cluster most surely shares), then
+ * global or unique-local IPv6, then IPv6 link-local: its scope is per host, so a peer can
+ * only reach it through its own interface on that link (see connect_fd). */
+static int family_rank(const struct sockaddr *sa) {
+  if (sa->sa_family == AF_INET) return 0;
+  const struct in6_addr *a6 = &((const struct sockaddr_in6 *)(const void *)sa)->sin6_addr;
+  return IN6_IS_ADDR_LINKLOCAL(a6) ? 2 : 1;
+}
+
+/* SOCKET_FAMILY: 0 (any), AF_INET or AF_INET6; -1 if the value is not understood. */
+static int family_param(void) {
+  const char *f = param_str(PARAM_SOCKET_FAMILY);
+  if (!f[0]) return 0;
+  if (!strcasecmp(f, "AF_INET") || !strcasecmp(f, "inet") || !strcmp(f, "4")) return AF_INET;
+  if (!strcasecmp(f, "AF_INET6") || !strcasecmp(f, "inet6") || !strcmp(f, "6")) return AF_INET6;
+  return -1;
+}
+
 static chorus_result_t choose_interface(struct chorus_comm *comm, struct sock_state *st,
                                         union sockaddr_any *ip) {
   const char *spec = param_str(PARAM_SOCKET_IFNAME);
   int user_spec = spec[0] != 0;
+  int want_family = family_param();
+  if (want_family < 0)
+    return comm_set_error(comm, CHORUS_ERR_INVALID, "rank %d: SOCKET_FAMILY '%s' is not "
+                          "AF_INET or AF_INET6", comm->rank, param_str(PARAM_SOCKET_FAMILY));
   struct ifaddrs *list = NULL, *best = NULL;
   int best_rank = 99;
   if (getifaddrs(&list) != 0)
@@ -202,33 +250,48 @@ static chorus_result_t choose_interface(struct chorus_comm *comm, struct sock_st
                           comm->rank, strerror(errno));
   char seen[256] = "";
   for (struct ifaddrs *ifa = list; ifa; ifa = ifa->ifa_next) {
-    /* IPv4 only for now; IPv6 needs link-local filtering here and AF_INET6 below. */
-    if (!ifa->ifa_addr || ifa->ifa_addr->sa_family != AF_INET) continue;
+    if (!ifa->ifa_addr) continue;
+    int fam = ifa->ifa_addr->sa_family;
+    if (fam != AF_INET && fam != AF_INET6) continue;
     if (!(ifa->ifa_flags & IFF_UP)) continue;
     size_t sl = strlen(seen);
-    if (sl + strlen(ifa->ifa_name) + 3 < sizeof seen)
+    if (!strstr(seen, ifa->ifa_name) && sl + strlen(ifa->ifa_name) + 3 < sizeof seen)
       snprintf(seen + sl, sizeof seen - sl, "%s%s", sl ? ", " : "", ifa->ifa_name);
+    if (want_family && fam != want_family) continue;
     if (user_spec && !ifname_matches(spec, ifa->ifa_name)) continue;
-    int r = if_rank(ifa, user_spec);
+    int r = if_rank(ifa, user_spec) * 10 + family_rank(ifa->ifa_addr);
     if (r < best_rank) best = ifa, best_rank = r;
   }
   chorus_result_t res = CHORUS_SUCCESS;
+  const char *fam_name = want_family == AF_INET ? "an IPv4 address"
+                         : want_family == AF_INET6 ? "an IPv6 address"
+                                                   : "an IPv4 or IPv6 address";
   memset(ip, 0, sizeof *ip);
   if (best) {
-    memcpy(&ip->in4, best->ifa_addr, sizeof ip->in4);
+    if (best->ifa_addr->sa_family == AF_INET6) {
+      memcpy(&ip->in6, best->ifa_addr, sizeof ip->in6);
+      ip->in6.sin6_scope_id = 0; /* advertised to other hosts: the scope is ours only */
+    } else {
+      memcpy(&ip->in4, best->ifa_addr, sizeof ip->in4);
+    }
     snprintf(st->ifname, sizeof st->ifname, "%s", best->ifa_name);
-  } else if (user_spec) {
+    st->ifindex = if_nametoindex(best->ifa_name);
+  } else if (user_spec || want_family == AF_INET6) {
     res = comm_set_error(comm, CHORUS_ERR_INVALID,
-                         "rank %d: SOCKET_IFNAME '%s' matches no interface that is up with an "
-                         "IPv4 address (up: %s)", comm->rank, spec, seen[0] ? seen : "none");
+                         "rank %d: SOCKET_IFNAME '%s' / SOCKET_FAMILY '%s' match no interface "
+                         "that is up with %s (up: %s)", comm->rank, spec,
+                         param_str(PARAM_SOCKET_FAMILY), fam_name, seen[0] ? seen : "none");
   } else {
-    WARN(comm->rank, "socket: no IPv4 interface is up; advertising 127.0.0.1");
+    WARN(comm->rank, "socket: no interface is up with %s; advertising 127.0.0.1", fam_name);
     ip->in4.sin_family = AF_INET;
     ip->in4.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     snprintf(st->ifname, sizeof st->ifname, "lo");
   }
   freeifaddrs(list);
-  st->family = AF_INET;
+  st->family = ip->sa.sa_family ? ip->sa.sa_family : AF_INET;
+  if (best && best_rank % 10 == 2)
+    INFO(SUB_NET, comm->rank, "socket: only an IPv6 link-local address matches (interface "
+         "%s): peers on other hosts reach it through their own interface", st->ifname);
   return res;
 }
 
@@ -255,30 +318,57 @@ static size_t ring_size(void) {
   return (s + 4095) & ~(size_t)4095;
 }
 
+static void sock_close(conn_t *c);
+
+/* A connection over nsub TCP connections; with nsub == 1 fd is that connection, else the
+ * sub-connections are added one by one (sub_add) and fd is unused. */
 static chorus_result_t conn_new(struct chorus_comm *comm, int fd, int peer, int ch,
-                                const char *addr, struct sock_conn **out) {
+                                const char *addr, int nsub, uint64_t chunk,
+                                struct sock_conn **out) {
   struct sock_conn *s = calloc(1, sizeof *s);
   size_t size = ring_size();
   if (s) {
+    s->fd = -1;
+    s->epfd = -1;
     s->tx = malloc(size);
     s->rx = malloc(size);
+    if (nsub > 1) s->sub = calloc((size_t)nsub, sizeof *s->sub);
   }
-  if (!s || !s->tx || !s->rx) {
+  if (!s || !s->tx || !s->rx || (nsub > 1 && !s->sub)) {
     if (s) {
       free(s->tx);
       free(s->rx);
+      free(s->sub);
       free(s);
     }
     return comm_set_error(comm, CHORUS_ERR_NOMEM,
                           "rank %d peer %d: cannot allocate 2 x %zu bytes of socket rings",
                           comm->rank, peer, size);
   }
-  s->base.ops = &sock_ops;
+  s->base.ops = nsub > 1 ? &sock_striped_ops : &sock_ops;
   s->base.comm = comm;
   s->base.peer = peer;
   s->base.channel = ch;
-  s->fd = fd;
+  s->nsub = nsub > 1 ? nsub : 1;
   s->size = size;
+  if (nsub > 1) {
+    s->chunk = chunk;
+    for (int i = 0; i < nsub; i++) {
+      s->sub[i].fd = -1;
+      s->sub[i].spos = s->sub[i].rpos = (uint64_t)i * chunk;
+    }
+    s->epfd = epoll_create1(EPOLL_CLOEXEC);
+    if (s->epfd < 0) {
+      chorus_result_t r = comm_set_error(comm, CHORUS_ERR_SYSTEM, "rank %d peer %d: "
+                                         "epoll_create1 failed: %s", comm->rank, peer,
+                                         strerror(errno));
+      sock_close(&s->base);
+      return r;
+    }
+  } else {
+    s->fd = fd;
+    s->nready = 1;
+  }
   /* Name the peer by what identifies it (its listening address and host), not by the
    * ephemeral port an accepted socket shows. */
   const struct peer_info *pi = comm->peers ? &comm->peers[peer] : NULL;
@@ -289,6 +379,27 @@ static chorus_result_t conn_new(struct chorus_comm *comm, int fd, int peer, int 
     snprintf(s->peer_addr, sizeof s->peer_addr, "%s", addr);
   *out = s;
   return CHORUS_SUCCESS;
+}
+
+/* Installs fd as sub-connection i of a striped connection (owned by it from now on, also
+ * on failure). */
+static chorus_result_t sub_add(struct sock_conn *s, int i, int fd) {
+  struct epoll_event ev = {.events = 0, .data.u32 = (uint32_t)i};
+  s->sub[i].fd = fd;
+  s->nready++;
+  if (epoll_ctl(s->epfd, EPOLL_CTL_ADD, fd, &ev) != 0)
+    return comm_set_error(s->base.comm, CHORUS_ERR_SYSTEM, "rank %d peer %d: epoll_ctl(ADD) "
+                          "of TCP sub-connection %d failed: %s", s->base.comm->rank,
+                          s->base.peer, i, strerror(errno));
+  return CHORUS_SUCCESS;
+}
+
+static int is_sock(const conn_t *c) {
+  return c && (c->ops == &sock_ops || c->ops == &sock_striped_ops);
+}
+static int conn_complete(const conn_t *c) {
+  return c && (!is_sock(c) || ((const struct sock_conn *)c)->nready ==
+                                  ((const struct sock_conn *)c)->nsub);
 }
 
 /* ------------------------------------------------------------ transport ops */
@@ -346,8 +457,9 @@ static chorus_result_t sock_reserve(conn_t *c, void **ptr, size_t *len) {
   struct sock_conn *s = (struct sock_conn *)c;
   /* An empty ring restarts near offset 0 so the caller gets (almost) the whole ring
    * contiguous; index == stream position mod 16 is kept as on the receive side, so a
-   * window that ends at the ring's end ends on a 16-byte boundary of the stream. */
-  if (s->tx_head == s->tx_tail) s->tx_head = s->tx_tail = s->tx_tail % 16;
+   * window that ends at the ring's end ends on a 16-byte boundary of the stream. Striped
+   * connections never restart: their positions are stream offsets that pick the stripe. */
+  if (s->tx_head == s->tx_tail && s->nsub == 1) s->tx_head = s->tx_tail = s->tx_tail % 16;
   size_t used = (size_t)(s->tx_tail - s->tx_head);
   size_t idx = (size_t)(s->tx_tail % s->size);
   size_t space = s->size - used, contig = s->size - idx;
@@ -390,6 +502,168 @@ static chorus_result_t sock_consume(conn_t *c, size_t len) {
   return CHORUS_SUCCESS;
 }
 
+/* ------------------------------------------------------------ striping */
+static uint64_t chunk_end(const struct sock_conn *s, uint64_t pos) {
+  return (pos / s->chunk + 1) * s->chunk;
+}
+
+/* Moves *pos by n bytes (never past its chunk); from the end of a chunk a sub-connection
+ * goes on with its next one, nsub - 1 chunks further. */
+static void sub_advance(const struct sock_conn *s, uint64_t *pos, uint64_t n) {
+  uint64_t end = chunk_end(s, *pos);
+  *pos += n;
+  if (*pos == end) *pos += (uint64_t)(s->nsub - 1) * s->chunk;
+}
+
+/* Each sub-connection sends what the tx ring holds of its chunks (two system calls at
+ * most: a chunk may end inside its window); the ring frees up to the lowest position any
+ * sub-connection still has to send. */
+static chorus_result_t striped_send(struct sock_conn *s, int *moved) {
+  struct iovec iov[2];
+  uint64_t head = s->tx_tail;
+  for (int i = 0; i < s->nsub; i++) {
+    struct sock_sub *u = &s->sub[i];
+    for (int k = 0; k < 2 && u->spos < s->tx_tail; k++) {
+      uint64_t end = chunk_end(s, u->spos);
+      size_t len = (size_t)((end < s->tx_tail ? end : s->tx_tail) - u->spos);
+      struct msghdr mh = {0};
+      mh.msg_iov = iov;
+      mh.msg_iovlen = (size_t)ring_iov(s->tx, s->size, u->spos, len, iov);
+      ssize_t r = sendmsg(u->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (r < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
+        return conn_fail(s, errno, "send");
+      }
+      sub_advance(s, &u->spos, (uint64_t)r);
+      *moved = 1;
+      if ((size_t)r < len) break;
+    }
+    if (u->spos < head) head = u->spos;
+  }
+  s->tx_head = head;
+  return CHORUS_SUCCESS;
+}
+
+/* Each sub-connection receives into the ring at the places of its chunks, within the
+ * ring's free window; bytes are readable up to the lowest position still missing. */
+static chorus_result_t striped_recv(struct sock_conn *s, int *moved) {
+  struct iovec iov[2];
+  uint64_t tail = UINT64_MAX;
+  for (int i = 0; i < s->nsub; i++) {
+    struct sock_sub *u = &s->sub[i];
+    for (int k = 0; k < 2 && !u->eof; k++) {
+      uint64_t limit = s->rx_head + s->size;
+      if (u->rpos >= limit) break;
+      uint64_t end = chunk_end(s, u->rpos);
+      size_t len = (size_t)((end < limit ? end : limit) - u->rpos);
+      struct msghdr mh = {0};
+      mh.msg_iov = iov;
+      mh.msg_iovlen = (size_t)ring_iov(s->rx, s->size, u->rpos, len, iov);
+      ssize_t r = recvmsg(u->fd, &mh, MSG_DONTWAIT);
+      if (r == 0) {
+        u->eof = 1;
+      } else if (r < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
+        return conn_fail(s, errno, "recv");
+      } else {
+        sub_advance(s, &u->rpos, (uint64_t)r);
+        *moved = 1;
+        if ((size_t)r < len) break;
+      }
+    }
+    if (u->rpos < tail) tail = u->rpos;
+  }
+  s->rx_tail = tail;
+  /* the stream has ended once the sub-connection that owes its next byte has */
+  s->eof = s->sub[(tail / s->chunk) % (uint64_t)s->nsub].eof;
+  return CHORUS_SUCCESS;
+}
+
+/* The sub-connections are polled as one fd, their epoll set: interest is kept per
+ * sub-connection (changed only when it changes). The set is readable when any of them is
+ * ready for what it is registered for, sending included; POLLOUT in the answer only tells
+ * callers that bytes wait to be sent. */
+static int striped_pollfd(struct sock_conn *s, struct pollfd *pfd) {
+  int owner = (int)((s->rx_tail / s->chunk) % (uint64_t)s->nsub), any = 0;
+  for (int i = 0; i < s->nsub; i++) {
+    struct sock_sub *u = &s->sub[i];
+    uint32_t ev = 0;
+    if (!u->eof ? u->rpos < s->rx_head + s->size : (i == owner && s->starving)) ev |= EPOLLIN;
+    if (u->spos < (s->direct_tx ? s->direct_end : s->tx_tail)) ev |= EPOLLOUT;
+    if (ev != u->events) {
+      struct epoll_event e = {.events = ev, .data.u32 = (uint32_t)i};
+      if (epoll_ctl(s->epfd, EPOLL_CTL_MOD, u->fd, &e) != 0) {
+        conn_fail(s, errno, "epoll_ctl(MOD) of a TCP sub-connection");
+        return 0;
+      }
+      u->events = ev;
+    }
+    any |= ev != 0;
+  }
+  pfd->fd = s->epfd;
+  pfd->events =
+      (short)((any ? POLLIN : 0) | (s->tx_tail != s->tx_head || s->direct_tx ? POLLOUT : 0));
+  pfd->revents = 0;
+  return 1;
+}
+
+/* write_direct of a striped connection: src is the stream from tx_tail on. Each
+ * sub-connection sends its part, from the ring below tx_tail and from src above it, in one
+ * sendmsg per chunk piece; *wrote is the prefix of src that every sub-connection has
+ * passed. Sub-connections that ran further ahead inside src remember it (their positions):
+ * the caller passes the rest of the same buffer next time (msg.c: once direct, direct to
+ * the end), and commits nothing to the ring before it is all written. */
+static chorus_result_t striped_write_direct(conn_t *c, const void *src, size_t n, size_t *wrote,
+                                            int *progressed) {
+  struct sock_conn *s = (struct sock_conn *)c;
+  *wrote = 0;
+  if (s->err) return s->err;
+  const uint64_t base = s->tx_tail, end = base + n;
+  uint64_t low = end;
+  int moved = 0;
+  s->direct_end = end;
+  for (int i = 0; i < s->nsub; i++) {
+    struct sock_sub *u = &s->sub[i];
+    for (int k = 0; k < 2 && u->spos < end; k++) {
+      uint64_t ce = chunk_end(s, u->spos), stop = ce < end ? ce : end;
+      struct iovec iov[3];
+      int niov = 0;
+      if (u->spos < base)
+        niov = ring_iov(s->tx, s->size, u->spos, (size_t)((stop < base ? stop : base) - u->spos),
+                        iov);
+      if (stop > base) {
+        uint64_t from = u->spos > base ? u->spos : base;
+        iov[niov].iov_base = (uint8_t *)(uintptr_t)src + (from - base);
+        iov[niov].iov_len = (size_t)(stop - from);
+        niov++;
+      }
+      size_t len = (size_t)(stop - u->spos);
+      struct msghdr mh = {0};
+      mh.msg_iov = iov;
+      mh.msg_iovlen = (size_t)niov;
+      ssize_t r = sendmsg(u->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (r < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
+        return conn_fail(s, errno, "send");
+      }
+      sub_advance(s, &u->spos, (uint64_t)r);
+      moved = 1;
+      if ((size_t)r < len) break;
+    }
+    if (u->spos < low) low = u->spos;
+  }
+  if (low > base) {
+    /* the ring is empty and the stream moved on by the direct bytes: positions follow */
+    *wrote = (size_t)(low - base);
+    s->tx_head = s->tx_tail = low;
+  } else {
+    s->tx_head = low;
+  }
+  if (moved) *progressed = 1;
+  s->direct_tx = *wrote < n;
+  return CHORUS_SUCCESS;
+}
+
 /* Has the peer published a failure? Asked once per closed connection; the failing peer
  * publishes before it closes, so a short look suffices. Sets s->peer_failed_seq to the
  * collective it failed at (0: at once). */
@@ -420,36 +694,41 @@ static chorus_result_t sock_progress(conn_t *c, int *progressed) {
   if (s->err) return s->err;
 
   size_t pending = (size_t)(s->tx_tail - s->tx_head);
-  if (pending) {
-    struct msghdr mh = {0};
-    mh.msg_iov = iov;
-    mh.msg_iovlen = (size_t)ring_iov(s->tx, s->size, s->tx_head, pending, iov);
-    ssize_t r = sendmsg(s->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (r > 0) {
-      s->tx_head += (uint64_t)r;
-      moved = 1;
-    } else if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-      return conn_fail(s, errno, "send");
-    }
-  }
-
-  if (!s->eof && !(s->direct_rx && s->rx_head == s->rx_tail)) {
-    /* Restart an empty ring near offset 0 but keep index == stream position mod 16: the
-     * ring end must stay a 16-byte boundary of the stream so no element straddles it. */
-    if (s->rx_head == s->rx_tail) s->rx_head = s->rx_tail = s->rx_tail % 16;
-    size_t space = s->size - (size_t)(s->rx_tail - s->rx_head);
-    if (space) {
+  if (s->nsub > 1) {
+    CHECK(striped_send(s, &moved));
+    CHECK(striped_recv(s, &moved));
+  } else {
+    if (pending) {
       struct msghdr mh = {0};
       mh.msg_iov = iov;
-      mh.msg_iovlen = (size_t)ring_iov(s->rx, s->size, s->rx_tail, space, iov);
-      ssize_t r = recvmsg(s->fd, &mh, MSG_DONTWAIT);
+      mh.msg_iovlen = (size_t)ring_iov(s->tx, s->size, s->tx_head, pending, iov);
+      ssize_t r = sendmsg(s->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
       if (r > 0) {
-        s->rx_tail += (uint64_t)r;
+        s->tx_head += (uint64_t)r;
         moved = 1;
-      } else if (r == 0) {
-        s->eof = 1;
-      } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-        return conn_fail(s, errno, "recv");
+      } else if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+        return conn_fail(s, errno, "send");
+      }
+    }
+
+    if (!s->eof && !(s->direct_rx && s->rx_head == s->rx_tail)) {
+      /* Restart an empty ring near offset 0 but keep index == stream position mod 16: the
+       * ring end must stay a 16-byte boundary of the stream so no element straddles it. */
+      if (s->rx_head == s->rx_tail) s->rx_head = s->rx_tail = s->rx_tail % 16;
+      size_t space = s->size - (size_t)(s->rx_tail - s->rx_head);
+      if (space) {
+        struct msghdr mh = {0};
+        mh.msg_iov = iov;
+        mh.msg_iovlen = (size_t)ring_iov(s->rx, s->size, s->rx_tail, space, iov);
+        ssize_t r = recvmsg(s->fd, &mh, MSG_DONTWAIT);
+        if (r > 0) {
+          s->rx_tail += (uint64_t)r;
+          moved = 1;
+        } else if (r == 0) {
+          s->eof = 1;
+        } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+          return conn_fail(s, errno, "recv");
+        }
       }
     }
   }
@@ -477,6 +756,7 @@ static chorus_result_t sock_progress(conn_t *c, int *progressed) {
 static int sock_pollfd(conn_t *c, struct pollfd *pfd) {
   struct sock_conn *s = (struct sock_conn *)c;
   if (s->err) return 0; /* failed: nothing more to move */
+  if (s->nsub > 1) return striped_pollfd(s, pfd);
   pfd->fd = s->fd;
   pfd->events = 0;
   pfd->revents = 0;
@@ -567,6 +847,12 @@ static void sock_close(conn_t *c) {
   if (s->fd >= 0 && close(s->fd) != 0)
     TRACE(SUB_NET, c->comm ? c->comm->rank : -1, "socket: close: %s", strerror(errno));
   s->fd = -1;
+  for (int i = 0; s->sub && i < s->nsub; i++)
+    if (s->sub[i].fd >= 0 && close(s->sub[i].fd) != 0)
+      TRACE(SUB_NET, c->comm ? c->comm->rank : -1, "socket: close: %s", strerror(errno));
+  if (s->epfd >= 0 && close(s->epfd) != 0)
+    TRACE(SUB_NET, c->comm ? c->comm->rank : -1, "socket: close: %s", strerror(errno));
+  free(s->sub);
   free(s->tx);
   free(s->rx);
   free(s);
@@ -583,6 +869,20 @@ static const struct transport_ops sock_ops = {
     .close = sock_close,
     .write_direct = sock_write_direct,
     .read_direct = sock_read_direct,
+};
+
+/* Striped connections send large payloads straight from the caller's buffer but receive
+ * everything through the ring (docs/design.md, "Sockets between hosts"). */
+static const struct transport_ops sock_striped_ops = {
+    .name = "socket",
+    .reserve = sock_reserve,
+    .commit = sock_commit,
+    .peek = sock_peek,
+    .consume = sock_consume,
+    .progress = sock_progress,
+    .pollfd = sock_pollfd,
+    .close = sock_close,
+    .write_direct = striped_write_direct,
 };
 
 /* ------------------------------------------------------------ listen */
@@ -624,7 +924,7 @@ chorus_result_t socket_listen(struct chorus_comm *comm, struct peer_info *info) 
     goto fail;
   }
   /* Every higher rank connects before we accept: the backlog must hold them all. */
-  long backlog = (long)comm->nranks * CHAN_COUNT + 64;
+  long backlog = (long)comm->nranks * CHAN_COUNT * MAX_STREAMS + 64;
   if (listen(st->listen_fd, backlog > 65535 ? 65535 : (int)backlog) != 0) {
     res = comm_set_error(comm, CHORUS_ERR_SYSTEM, "rank %d: listen() failed: %s", comm->rank,
                          strerror(errno));
@@ -658,28 +958,35 @@ static int same_host(const struct chorus_comm *comm, int p) {
   return a[0] && strncmp(a, b, HOSTID_LEN) == 0;
 }
 
-static chorus_result_t connect_one(struct chorus_comm *comm, int p, int ch, int64_t deadline,
-                                   struct sock_conn **out) {
-  union sockaddr_any to;
-  char addr[ADDR_LEN];
-  if (addr_parse(comm->peers[p].sock_addr, &to) != 0)
-    return comm_set_error(comm, CHORUS_ERR_INVALID, "rank %d peer %d: peer advertised no "
-                          "usable socket address ('%.*s')", comm->rank, p, ADDR_LEN,
-                          comm->peers[p].sock_addr);
-  /* Same host: loopback works whatever interface the peer advertised. */
-  if (same_host(comm, p)) addr_set_loopback(&to);
-  addr_format(&to, addr, sizeof addr);
+/* TCP connections to peer p: NSOCKS_PERTHREAD, or by default 1 on the same host (loopback
+ * gains nothing from more) and STREAMS_REMOTE between hosts. */
+static int streams_for(const struct chorus_comm *comm, int p) {
+  int64_t v = param_int(PARAM_NSOCKS_PERTHREAD);
+  if (v > 0) return v > MAX_STREAMS ? MAX_STREAMS : (int)v;
+  return same_host(comm, p) ? 1 : STREAMS_REMOTE;
+}
 
+/* The stripe: small enough that the ring holds two rounds of every sub-connection, so
+ * each has a chunk to fill while the reader drains another. */
+static uint64_t chunk_for(int nsub) {
+  if (nsub <= 1) return 0;
+  uint64_t c = ((uint64_t)ring_size() / (2u * (uint64_t)nsub)) & ~(uint64_t)4095;
+  return c < CHUNK_MIN ? CHUNK_MIN : c > CHUNK_MAX ? CHUNK_MAX : c;
+}
+
+/* One connected, non-blocking TCP socket to `to`, or an error naming rank p and addr. */
+static chorus_result_t connect_fd(struct chorus_comm *comm, int p, const union sockaddr_any *to,
+                                  const char *addr, int64_t deadline, int *out) {
   int64_t refused_until = now_ns() + (int64_t)REFUSED_RETRY_MS * 1000000;
   int fd = -1, err = 0;
   for (;;) {
-    fd = socket(to.sa.sa_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    fd = socket(to->sa.sa_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0)
       return comm_set_error(comm, CHORUS_ERR_SYSTEM, "rank %d peer %d: socket() failed: %s",
                             comm->rank, p, strerror(errno));
     set_bufsizes(comm, fd);
     err = 0;
-    if (connect(fd, &to.sa, addr_len(&to)) != 0) err = errno;
+    if (connect(fd, &to->sa, addr_len(to)) != 0) err = errno;
     if (err == EINPROGRESS || err == EINTR) {
       for (;;) {
         int ms = ms_until(deadline, 1000);
@@ -716,7 +1023,12 @@ static chorus_result_t connect_one(struct chorus_comm *comm, int p, int ch, int6
                           p, p, addr, strerror(err));
   }
   set_nodelay(comm, fd);
+  *out = fd;
+  return CHORUS_SUCCESS;
+}
 
+static chorus_result_t send_hello(struct chorus_comm *comm, int fd, int p, int ch, int stream,
+                                  int nsub, uint64_t chunk, const char *addr, int64_t deadline) {
   uint8_t hello[HELLO_LEN];
   put32(hello, HELLO_MAGIC);
   put32(hello + 4, SOCK_VERSION);
@@ -724,18 +1036,57 @@ static chorus_result_t connect_one(struct chorus_comm *comm, int p, int ch, int6
   put32(hello + 40, (uint32_t)comm->rank);
   put32(hello + 44, (uint32_t)ch);
   put32(hello + 48, (uint32_t)comm->nranks);
-  err = io_full(fd, hello, sizeof hello, deadline, 1);
-  if (err) {
-    close(fd);
+  put32(hello + 52, (uint32_t)stream);
+  put32(hello + 56, (uint32_t)nsub);
+  put32(hello + 60, (uint32_t)chunk);
+  int err = io_full(fd, hello, sizeof hello, deadline, 1);
+  if (err)
     return comm_set_error(comm, err == ETIMEDOUT ? CHORUS_ERR_TIMEOUT : CHORUS_ERR_PEER,
                           "rank %d peer %d: sending the hello to rank %d at %s failed: %s",
                           comm->rank, p, p, addr, err > 0 ? strerror(err) : "closed");
-  }
+  return CHORUS_SUCCESS;
+}
+
+static chorus_result_t connect_one(struct chorus_comm *comm, int p, int ch, int64_t deadline,
+                                   struct sock_conn **out) {
+  union sockaddr_any to;
+  char addr[ADDR_LEN];
+  if (addr_parse(comm->peers[p].sock_addr, &to) != 0)
+    return comm_set_error(comm, CHORUS_ERR_INVALID, "rank %d peer %d: peer advertised no "
+                          "usable socket address ('%.*s')", comm->rank, p, ADDR_LEN,
+                          comm->peers[p].sock_addr);
+  /* Same host: loopback works whatever interface the peer advertised. */
+  if (same_host(comm, p))
+    addr_set_loopback(&to);
+  else if (to.sa.sa_family == AF_INET6 && IN6_IS_ADDR_LINKLOCAL(&to.in6.sin6_addr))
+    to.in6.sin6_scope_id = comm->sock ? comm->sock->ifindex : 0; /* out of our own link */
+  addr_format(&to, addr, sizeof addr);
+
+  int nsub = streams_for(comm, p);
+  uint64_t chunk = chunk_for(nsub);
   struct sock_conn *s = NULL;
-  chorus_result_t res = conn_new(comm, fd, p, ch, addr, &s);
-  if (res != CHORUS_SUCCESS) {
-    close(fd);
-    return res;
+  chorus_result_t res;
+  if (nsub == 1) {
+    int fd = -1;
+    CHECK(connect_fd(comm, p, &to, addr, deadline, &fd));
+    res = send_hello(comm, fd, p, ch, 0, 1, 0, addr, deadline);
+    if (res == CHORUS_SUCCESS) res = conn_new(comm, fd, p, ch, addr, 1, 0, &s);
+    if (res != CHORUS_SUCCESS) {
+      close(fd);
+      return res;
+    }
+  } else {
+    CHECK(conn_new(comm, -1, p, ch, addr, nsub, chunk, &s));
+    for (int i = 0; i < nsub; i++) {
+      int fd = -1;
+      res = connect_fd(comm, p, &to, addr, deadline, &fd);
+      if (res == CHORUS_SUCCESS) res = sub_add(s, i, fd);
+      if (res == CHORUS_SUCCESS) res = send_hello(comm, fd, p, ch, i, nsub, chunk, addr, deadline);
+      if (res != CHORUS_SUCCESS) {
+        sock_close(&s->base);
+        return res;
+      }
+    }
   }
   s->awaiting_ack = 1;
   *out = s;
@@ -744,30 +1095,34 @@ static chorus_result_t connect_one(struct chorus_comm *comm, int p, int ch, int6
   return CHORUS_SUCCESS;
 }
 
-int socket_ack_ok(const uint8_t *ack, int peer, int channel) {
+int socket_ack_ok(const uint8_t *ack, int peer, int channel, int stream) {
   return get32(ack) == ACK_MAGIC && get32(ack + 4) == SOCK_VERSION &&
-         get32(ack + 8) == (uint32_t)peer && get32(ack + 12) == (uint32_t)channel;
+         get32(ack + 8) == (uint32_t)peer && get32(ack + 12) == (uint32_t)channel &&
+         get32(ack + 16) == (uint32_t)stream;
 }
 
-/* Reads exactly the ack (never more: data may follow right behind it). */
+/* Reads exactly the ack of every sub-connection (never more: data may follow right
+ * behind it). */
 static chorus_result_t wait_ack(struct sock_conn *s, int64_t deadline) {
   struct chorus_comm *comm = s->base.comm;
   int p = s->base.peer;
-  uint8_t ack[ACK_LEN];
-  int err = io_full(s->fd, ack, sizeof ack, deadline, 0);
-  if (err == ETIMEDOUT)
-    return comm_set_error(comm, CHORUS_ERR_TIMEOUT, "rank %d peer %d: rank %d (%s) did not "
-                          "accept our %s connection within %d ms", comm->rank, p, p,
-                          s->peer_addr, chan_name(s->base.channel), comm->timeout_ms);
-  if (err)
-    return comm_set_error(comm, CHORUS_ERR_PEER, "rank %d peer %d: rank %d (%s) closed our %s "
-                          "connection during setup (%s): it rejected the hello (different "
-                          "job, communicator or version?) or exited", comm->rank, p, p,
-                          s->peer_addr, chan_name(s->base.channel),
-                          err > 0 ? strerror(err) : "EOF");
-  if (!socket_ack_ok(ack, p, s->base.channel))
-    return comm_set_error(comm, CHORUS_ERR_PEER, "rank %d peer %d: bad connection ack from "
-                          "%s", comm->rank, p, s->peer_addr);
+  for (int i = 0; i < s->nsub; i++) {
+    uint8_t ack[ACK_LEN];
+    int err = io_full(s->nsub > 1 ? s->sub[i].fd : s->fd, ack, sizeof ack, deadline, 0);
+    if (err == ETIMEDOUT)
+      return comm_set_error(comm, CHORUS_ERR_TIMEOUT, "rank %d peer %d: rank %d (%s) did not "
+                            "accept our %s connection within %d ms", comm->rank, p, p,
+                            s->peer_addr, chan_name(s->base.channel), comm->timeout_ms);
+    if (err)
+      return comm_set_error(comm, CHORUS_ERR_PEER, "rank %d peer %d: rank %d (%s) closed our "
+                            "%s connection during setup (%s): it rejected the hello (different "
+                            "job, communicator or version?) or exited", comm->rank, p, p,
+                            s->peer_addr, chan_name(s->base.channel),
+                            err > 0 ? strerror(err) : "EOF");
+    if (!socket_ack_ok(ack, p, s->base.channel, i))
+      return comm_set_error(comm, CHORUS_ERR_PEER, "rank %d peer %d: bad connection ack from "
+                            "%s", comm->rank, p, s->peer_addr);
+  }
   s->awaiting_ack = 0;
   return CHORUS_SUCCESS;
 }
@@ -812,10 +1167,30 @@ const char *socket_hello_problem(struct chorus_comm *comm, const uint8_t *h, cha
     snprintf(why, cap, "bad channel %u", ch);
     return why;
   }
-  if (comm->conns[ch][rank]) {
-    snprintf(why, cap, "duplicate or unexpected connection for rank %u %s channel", rank,
-             chan_name((int)ch));
+  uint32_t stream = get32(h + 52), nsub = get32(h + 56), chunk = get32(h + 60);
+  if (nsub < 1 || nsub > MAX_STREAMS || stream >= nsub) {
+    snprintf(why, cap, "sub-connection %u of %u (at most %d)", stream, nsub, MAX_STREAMS);
     return why;
+  }
+  if (nsub > 1 && (chunk < CHUNK_MIN || chunk > CHUNK_MAX || chunk % 16)) {
+    snprintf(why, cap, "stripe of %u bytes (expected a multiple of 16 in %u..%u)", chunk,
+             CHUNK_MIN, CHUNK_MAX);
+    return why;
+  }
+  const conn_t *c = comm->conns[ch][rank];
+  if (c) {
+    /* only a striped connection still missing this sub-connection takes it */
+    const struct sock_conn *sc = (const struct sock_conn *)c;
+    if (!is_sock(c) || conn_complete(c) || sc->nsub != (int)nsub || sc->sub[stream].fd >= 0) {
+      snprintf(why, cap, "duplicate or unexpected connection for rank %u %s channel", rank,
+               chan_name((int)ch));
+      return why;
+    }
+    if (sc->chunk != chunk) {
+      snprintf(why, cap, "stripe of %u bytes differs from the %llu of its other "
+               "sub-connections", chunk, (unsigned long long)sc->chunk);
+      return why;
+    }
   }
   return NULL;
 }
@@ -829,25 +1204,37 @@ static int hello_done(struct chorus_comm *comm, struct pending *pd, chorus_resul
     return 0;
   }
   int rank = (int)get32(pd->buf + 40), ch = (int)get32(pd->buf + 44);
+  int stream = (int)get32(pd->buf + 52), nsub = (int)get32(pd->buf + 56);
+  uint64_t chunk = get32(pd->buf + 60);
   uint8_t ack[ACK_LEN];
   put32(ack, ACK_MAGIC);
   put32(ack + 4, SOCK_VERSION);
   put32(ack + 8, (uint32_t)comm->rank);
   put32(ack + 12, (uint32_t)ch);
+  put32(ack + 16, (uint32_t)stream);
   int err = io_full(pd->fd, ack, sizeof ack, pd->deadline, 1);
   if (err) {
     reject(comm, pd, err > 0 ? strerror(err) : "closed while sending the ack");
     return 0;
   }
   set_nodelay(comm, pd->fd);
-  struct sock_conn *s = NULL;
-  *res = conn_new(comm, pd->fd, rank, ch, pd->addr, &s);
-  if (*res != CHORUS_SUCCESS) return 0;   /* pd->fd is closed by the caller's cleanup */
-  pd->fd = -1;
-  comm->conns[ch][rank] = &s->base;
-  TRACE(SUB_NET, comm->rank, "socket: accepted rank %d (%s channel) from %s", rank,
-        chan_name(ch), s->peer_addr);
-  return 1;
+  struct sock_conn *s = (struct sock_conn *)comm->conns[ch][rank];
+  if (!s) {
+    *res = conn_new(comm, nsub > 1 ? -1 : pd->fd, rank, ch, pd->addr, nsub, chunk, &s);
+    if (*res != CHORUS_SUCCESS) return 0;   /* pd->fd is closed by the caller's cleanup */
+    comm->conns[ch][rank] = &s->base;      /* striped: partial until every one is in */
+  }
+  if (nsub > 1) {
+    int fd = pd->fd;
+    pd->fd = -1;
+    *res = sub_add(s, stream, fd);
+    if (*res != CHORUS_SUCCESS) return 0;
+  } else {
+    pd->fd = -1;
+  }
+  TRACE(SUB_NET, comm->rank, "socket: accepted rank %d (%s channel, sub-connection %d of %d) "
+        "from %s", rank, chan_name(ch), stream, nsub, s->peer_addr);
+  return conn_complete(&s->base);
 }
 
 static chorus_result_t accept_timeout(struct chorus_comm *comm, const uint8_t *need) {
@@ -858,7 +1245,7 @@ static chorus_result_t accept_timeout(struct chorus_comm *comm, const uint8_t *n
   for (int p = comm->rank + 1; p < comm->nranks; p++) {
     int m = 0;
     for (int ch = 0; ch < CHAN_COUNT; ch++)
-      if (need[(size_t)p * CHAN_COUNT + ch] && !comm->conns[ch][p]) m = 1;
+      if (need[(size_t)p * CHAN_COUNT + ch] && !conn_complete(comm->conns[ch][p])) m = 1;
     if (!m) continue;
     missing++;
     if (len + 16 < sizeof list) {
@@ -1010,10 +1397,19 @@ chorus_result_t socket_connect_all(struct chorus_comm *comm) {
   for (int p = 0; p < me; p++)
     for (int ch = 0; ch < CHAN_COUNT; ch++) {
       conn_t *c = comm->conns[ch][p];
-      if (!need[(size_t)p * CHAN_COUNT + ch] || !c || c->ops != &sock_ops) continue;
+      if (!need[(size_t)p * CHAN_COUNT + ch] || !is_sock(c)) continue;
       CHECK_GOTO(wait_ack((struct sock_conn *)c, deadline), res, done);
     }
   INFO(SUB_NET, me, "socket: %d connections established", nconnect + naccept);
+  for (int p = 0; p < n; p++) {
+    const struct sock_conn *s = (const struct sock_conn *)comm->conns[CHAN_COLL][p];
+    if (p == me || !need[(size_t)p * CHAN_COUNT + CHAN_COLL] || !is_sock(&s->base)) continue;
+    if (s->nsub > 1)
+      INFO(SUB_NET, me, "socket: peer %d (%s): %d TCP connections per channel, striped in "
+           "%llu-byte chunks", p, s->peer_addr, s->nsub, (unsigned long long)s->chunk);
+    else
+      INFO(SUB_NET, me, "socket: peer %d (%s): 1 TCP connection per channel", p, s->peer_addr);
+  }
 done:
   free(need);
   if (res == CHORUS_SUCCESS && st && st->listen_fd >= 0) {
@@ -1029,21 +1425,31 @@ done:
  * more cannot hold a failing rank for long. */
 static void flush_tx(struct sock_conn *s, int64_t deadline) {
   while (s->tx_tail != s->tx_head && !s->err) {
-    struct iovec iov[2];
-    struct msghdr mh = {0};
-    mh.msg_iov = iov;
-    mh.msg_iovlen = (size_t)ring_iov(s->tx, s->size, s->tx_head,
-                                     (size_t)(s->tx_tail - s->tx_head), iov);
-    ssize_t r = sendmsg(s->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (r > 0) {
-      s->tx_head += (uint64_t)r;
-      continue;
+    struct pollfd pfd[MAX_STREAMS];
+    int npfd = 0;
+    if (s->nsub > 1) {
+      int moved = 0;
+      if (striped_send(s, &moved) != CHORUS_SUCCESS) return;
+      if (moved) continue;
+      for (int i = 0; i < s->nsub; i++)
+        if (s->sub[i].spos < s->tx_tail) pfd[npfd++] = (struct pollfd){s->sub[i].fd, POLLOUT, 0};
+    } else {
+      struct iovec iov[2];
+      struct msghdr mh = {0};
+      mh.msg_iov = iov;
+      mh.msg_iovlen = (size_t)ring_iov(s->tx, s->size, s->tx_head,
+                                       (size_t)(s->tx_tail - s->tx_head), iov);
+      ssize_t r = sendmsg(s->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (r > 0) {
+        s->tx_head += (uint64_t)r;
+        continue;
+      }
+      if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return;
+      pfd[npfd++] = (struct pollfd){s->fd, POLLOUT, 0};
     }
-    if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return;
     int ms = ms_until(deadline, 100);
     if (ms <= 0) return;
-    struct pollfd pfd = {s->fd, POLLOUT, 0};
-    if (poll(&pfd, 1, ms) < 0 && errno != EINTR) return;
+    if (poll(pfd, (nfds_t)npfd, ms) < 0 && errno != EINTR) return;
   }
 }
 
@@ -1053,7 +1459,7 @@ void socket_abort_conns(struct chorus_comm *comm) {
   int any = 0;
   for (int ch = 0; ch < CHAN_COUNT; ch++)
     for (int p = 0; comm->conns[ch] && p < comm->nranks; p++)
-      if (comm->conns[ch][p] && comm->conns[ch][p]->ops == &sock_ops) any = 1;
+      if (is_sock(comm->conns[ch][p])) any = 1;
   if (!any) return;
   char key[32], msg[700];
   pthread_mutex_lock(&comm->err_mu);
@@ -1069,17 +1475,20 @@ void socket_abort_conns(struct chorus_comm *comm) {
   for (int ch = 0; ch < CHAN_COUNT; ch++) {
     for (int p = 0; comm->conns[ch] && p < comm->nranks; p++) {
       conn_t *c = comm->conns[ch][p];
-      if (!c || c->ops != &sock_ops) continue;
+      if (!is_sock(c)) continue;
       struct sock_conn *s = (struct sock_conn *)c;
-      if (s->fd < 0) continue;
+      if (!conn_complete(c)) continue;
       /* An orderly end of our direction (FIN after every byte already sent), not a reset: a
        * reset would discard bytes of earlier, completed exchanges the peer has not read yet.
        * The fd stays open (closed with the connection), so what the peer still sends is
        * absorbed rather than answered with a reset. The peer fails once it has read all
        * we sent and finds our failure in the store. */
       flush_tx(s, flush_end);
-      if (shutdown(s->fd, SHUT_WR) != 0)
-        TRACE(SUB_NET, comm->rank, "socket: shutdown: %s", strerror(errno));
+      for (int i = 0; i < s->nsub; i++) {
+        int fd = s->nsub > 1 ? s->sub[i].fd : s->fd;
+        if (fd >= 0 && shutdown(fd, SHUT_WR) != 0)
+          TRACE(SUB_NET, comm->rank, "socket: shutdown: %s", strerror(errno));
+      }
       if (!s->err) s->err = err;
     }
   }
