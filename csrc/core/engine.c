@@ -508,6 +508,7 @@ static void *engine_main(void *arg) {
 
     if (atomic_load(&comm->failed)) {
       socket_abort_conns(comm); /* peers waiting on other ranks learn it now */
+      ib_abort_conns(comm);
       p2p_fail_all(comm, failed_result(comm));
     }
     if (op) {
