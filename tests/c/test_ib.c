@@ -270,7 +270,7 @@ static void check_transports(chorus_comm_t *c, const char *remote) {
   }
 }
 
-enum mode { PLAIN, FAULT, NOLIB };
+enum mode { PLAIN, FAULT, QPERR };
 
 static int rank_main(int rank, int n, int port, enum mode mode, const char *remote) {
   g_rank = rank;
@@ -278,6 +278,7 @@ static int rank_main(int rank, int n, int port, enum mode mode, const char *remo
   snprintf(host, sizeof host, "simhost%d", n == 2 ? rank : rank / 2);
   setenv("CHORUS_HOSTID", host, 1);
   if (mode == FAULT && rank == 0) setenv("FAKEVERBS_FAIL_AFTER", "30", 1);
+  if (mode == QPERR && rank == 1) setenv("FAKEVERBS_QP_ERROR", "25", 1);
   char addr[64];
   snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
   chorus_bootstrap_t bs;
@@ -292,7 +293,7 @@ static int rank_main(int rank, int n, int port, enum mode mode, const char *remo
     return 1;
   }
   check_transports(c, remote);
-  if (mode == FAULT) {
+  if (mode == FAULT || mode == QPERR) {
     /* all-reduces until the injected failure: both ranks must fail fast, not time out */
     float x[4096];
     chorus_redop_t sum = {CHORUS_SUM, 1.0};
@@ -302,14 +303,23 @@ static int rank_main(int rank, int n, int port, enum mode mode, const char *remo
     for (int i = 0; i < 200 && r == CHORUS_SUCCESS; i++) {
       chorus_request_t *req;
       for (int k = 0; k < 4096; k++) x[k] = 1.f;
-      if (chorus_iallreduce(c, x, x, 4096, CHORUS_FLOAT32, sum, &req) != CHORUS_SUCCESS) break;
-      r = run_req(req, err, sizeof err);
+      r = chorus_iallreduce(c, x, x, 4096, CHORUS_FLOAT32, sum, &req);
+      if (r != CHORUS_SUCCESS) /* refused: the communicator failed after the last one */
+        snprintf(err, sizeof err, "%s", chorus_comm_error(c));
+      else
+        r = run_req(req, err, sizeof err);
     }
     long secs = (long)(time(NULL) - t0);
     EXPECT(r != CHORUS_SUCCESS, "rank %d: no failure after the injected error", rank);
     EXPECT(secs < 10, "rank %d: the failure took %ld s", rank, secs);
-    EXPECT(strstr(err, "transport retry counter exceeded") && strstr(err, "status 12"),
-           "rank %d: status not named: %s", rank, err);
+    if (mode == FAULT)
+      EXPECT(strstr(err, "transport retry counter exceeded") && strstr(err, "status 12"),
+             "rank %d: status not named: %s", rank, err);
+    else if (rank == 1) /* its QP was moved to the error state: its writes are flushed */
+      EXPECT(strstr(err, "Work Request Flushed Error") && strstr(err, "status 5"),
+             "rank %d: status not named: %s", rank, err);
+    else /* rank 0 writes to a QP in error (retries run out), or reads rank 1's notice */
+      EXPECT(strstr(err, "status "), "rank %d: no status named: %s", rank, err);
     EXPECT(strstr(err, rank == 0 ? "rank 0 peer 1 (verbs" : "rank 1 peer 0 (verbs"),
            "rank %d: peer not named: %s", rank, err);
     printf("rank %d failed as expected: %s\n", rank, err);
@@ -370,6 +380,7 @@ int main(void) {
     unsetenv("CHORUS_IB_QPS_PER_CONNECTION");
     setenv("FAKEVERBS_DEVICES", "fake0", 1);
     bad += run_world("injected completion error", 2, FAULT, "verbs");
+    bad += run_world("injected QP error", 2, QPERR, "verbs");
     setenv("CHORUS_IB_DISABLE", "1", 1);
     bad += run_world("IB_DISABLE=1: sockets", 4, PLAIN, "socket");
     unsetenv("CHORUS_IB_DISABLE");

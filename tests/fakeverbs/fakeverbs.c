@@ -704,7 +704,8 @@ static int fake_post_send(struct cv_qp *bqp, struct cv_send_wr *wr, struct cv_se
     struct pending p = {wr->wr_id, qp->next_seq++, (wr->send_flags & CV_SEND_SIGNALED) != 0};
     long nposted = atomic_fetch_add(&posted_sends, 1);
     if (qp_error_after >= 0 && nposted >= qp_error_after && state != CV_QPS_ERR) {
-      qp_to_error(qp); /* an asynchronous QP error, as if the port failed */
+      qp_error_after = -1; /* once */
+      qp_to_error(qp);     /* an asynchronous QP error, as if the port failed */
       state = CV_QPS_ERR;
     }
     if (state == CV_QPS_ERR) {

@@ -40,6 +40,8 @@
 #define SIDE_BYTES 4096          /* FIFO / credit source area after each ring */
 #define PROBE_NS 1000000000LL    /* a starving connection asks the store about its peer */
 #define FAILURE_WAIT_MS 300
+#define NOTICE_GRACE_NS 1000000000LL /* after a peer's notice, how long a connection waiting on
+                                      * it gives bytes still in flight before failing */
 #define CTS_MAGIC 0x4348524356425331ull
 #define ABORT_MAGIC 0x41424f5254214221ull /* struct notice: the peer failed */
 #define NOTICE_OFF 256                     /* where the notice lies in the FIFO area */
@@ -119,6 +121,8 @@ struct ib_conn {
   uint64_t peer_failed_seq;     /* ... at this collective (0: outside one) */
   int abort_posted;
   char peer_notice[480];        /* the text of the peer's notice */
+  int64_t peer_failed_at;       /* when the notice was read */
+  int64_t last_moved;           /* when this connection last moved anything */
   char why[1024];
   char peer_desc[96];
 };
@@ -479,9 +483,17 @@ static void read_fifo(struct ib_conn *c, int *progressed) {
       memcpy(text, (const void *)nt->text, sizeof text);
       text[sizeof text - 1] = 0;
       if (r.check == abort_check(&r) && r.reposted == text_hash(text, sizeof text)) {
-        c->peer_failed = 1;
-        c->peer_failed_seq = r.consumed;
-        snprintf(c->peer_notice, sizeof c->peer_notice, "%s", text);
+        /* the notice holds for both connections to this peer (it may reach us on either) */
+        for (int ch = 0; ch < CHAN_COUNT; ch++) {
+          conn_t *bc = c->base.comm->conns[ch][c->base.peer];
+          if (!bc || bc->ops != &ib_ops) continue;
+          struct ib_conn *x = (struct ib_conn *)bc;
+          if (x->peer_failed) continue;
+          x->peer_failed = 1;
+          x->peer_failed_seq = r.consumed;
+          x->peer_failed_at = now_ns();
+          snprintf(x->peer_notice, sizeof x->peer_notice, "%s", text);
+        }
         *progressed = 1;
       }
     }
@@ -612,10 +624,18 @@ static chorus_result_t ib_progress(conn_t *bc, int *progressed) {
   CHECK(post_data(c, &moved));
   CHECK(post_cts(c, &moved));
   if (moved && progressed) *progressed = 1;
-  if (c->peer_failed && failure_reached(c->base.comm, c->peer_failed_seq)) {
-    return fail_peer_reported(c, c->peer_notice);
-  }
   int waiting = (c->starving && c->rx_head == c->rx_tail) || c->tx_posted < c->tx_tail;
+  if (c->peer_failed) {
+    /* fail at the collective the peer failed at; or earlier, when this rank waits on the
+     * peer and nothing has come for a while: bytes the peer committed before it failed may
+     * have been flushed with its queue pair, and will never arrive */
+    int64_t now = now_ns();
+    if (moved) c->last_moved = now;
+    int64_t since = c->last_moved > c->peer_failed_at ? c->last_moved : c->peer_failed_at;
+    if (failure_reached(c->base.comm, c->peer_failed_seq) ||
+        (waiting && now - since > NOTICE_GRACE_NS))
+      return fail_peer_reported(c, c->peer_notice);
+  }
   if (c->broken && waiting) return conn_fatal(c);
   if (waiting && !moved) CHECK(probe_peer(c));
   return CHORUS_SUCCESS;
@@ -925,6 +945,47 @@ static void log_nics(struct chorus_comm *comm, struct ib_state *st) {
   INFO(SUB_NET, comm->rank, "verbs: %d NIC%s: %s", st->nnics, st->nnics == 1 ? "" : "s", list);
 }
 
+/* Creates every verbs connection (QPs in INIT), publishes them, then connects them. */
+static chorus_result_t connect_peers(struct chorus_comm *comm, const struct wire_rank *all,
+                                     int nqp, struct wire_conn *w) {
+  int me = comm->rank, n = comm->nranks;
+  chorus_result_t res = CHORUS_SUCCESS;
+  int count = 0;
+  /* create every connection (QPs in INIT) and publish them, then connect */
+  for (int p = 0; p < n; p++) {
+    if (p == me || comm->host_of[p] == comm->host_of[me] || !all[p].ok) continue;
+    if (all[p].nqp != nqp) {
+      res = comm_set_error(comm, CHORUS_ERR_INVALID, "rank %d: CHORUS_IB_QPS_PER_CONNECTION is "
+                           "%d here and %d on rank %d; it must agree", me, nqp,
+                           all[p].nqp, p);
+      return res;
+    }
+    for (int ch = 0; ch < CHAN_COUNT; ch++) {
+      struct ib_conn *c = NULL;
+      CHECK_GOTO(conn_create(comm, p, ch, nqp, &c, &w[ch]), res, done);
+      comm->conns[ch][p] = &c->base;
+      comm->ib->nconns++;
+    }
+    char key[48];
+    snprintf(key, sizeof key, "ib/%d/%d", me, p);
+    CHECK_GOTO(bs_set(comm, key, w, CHAN_COUNT * sizeof *w), res, done);
+    count++;
+  }
+  for (int p = 0; p < n; p++) {
+    conn_t *c0 = comm->conns[CHAN_COLL][p];
+    if (p == me || !c0 || c0->ops != &ib_ops) continue;
+    char key[48];
+    snprintf(key, sizeof key, "ib/%d/%d", p, me);
+    CHECK_GOTO(bs_get(comm, key, w, CHAN_COUNT * sizeof *w), res, done);
+    for (int ch = 0; ch < CHAN_COUNT; ch++)
+      CHECK_GOTO(conn_connect((struct ib_conn *)comm->conns[ch][p], &w[ch]), res, done);
+  }
+  INFO(SUB_NET, me, "verbs: connected to %d peer%s, %d QP%s per connection", count,
+       count == 1 ? "" : "s", nqp, nqp == 1 ? "" : "s");
+done:
+  return res;
+}
+
 chorus_result_t ib_setup(struct chorus_comm *comm) {
   int me = comm->rank, n = comm->nranks;
   if (comm->nhosts < 2) return CHORUS_SUCCESS;
@@ -966,39 +1027,10 @@ chorus_result_t ib_setup(struct chorus_comm *comm) {
     goto out;
   }
   CHECK_GOTO(bs_allgather(comm, "ib", &mine, all, sizeof mine), res, out);
-  if (!mine.ok) goto out;
-  int count = 0;
-  /* create every connection (QPs in INIT) and publish them, then connect */
-  for (int p = 0; p < n; p++) {
-    if (p == me || comm->host_of[p] == comm->host_of[me] || !all[p].ok) continue;
-    if (all[p].nqp != mine.nqp) {
-      res = comm_set_error(comm, CHORUS_ERR_INVALID, "rank %d: CHORUS_IB_QPS_PER_CONNECTION is "
-                           "%d here and %d on rank %d; it must agree", me, mine.nqp,
-                           all[p].nqp, p);
-      goto out;
-    }
-    for (int ch = 0; ch < CHAN_COUNT; ch++) {
-      struct ib_conn *c = NULL;
-      CHECK_GOTO(conn_create(comm, p, ch, mine.nqp, &c, &w[ch]), res, out);
-      comm->conns[ch][p] = &c->base;
-      comm->ib->nconns++;
-    }
-    char key[48];
-    snprintf(key, sizeof key, "ib/%d/%d", me, p);
-    CHECK_GOTO(bs_set(comm, key, w, CHAN_COUNT * sizeof *w), res, out);
-    count++;
-  }
-  for (int p = 0; p < n; p++) {
-    conn_t *c0 = comm->conns[CHAN_COLL][p];
-    if (p == me || !c0 || c0->ops != &ib_ops) continue;
-    char key[48];
-    snprintf(key, sizeof key, "ib/%d/%d", p, me);
-    CHECK_GOTO(bs_get(comm, key, w, CHAN_COUNT * sizeof *w), res, out);
-    for (int ch = 0; ch < CHAN_COUNT; ch++)
-      CHECK_GOTO(conn_connect((struct ib_conn *)comm->conns[ch][p], &w[ch]), res, out);
-  }
-  INFO(SUB_NET, me, "verbs: connected to %d peer%s, %d QP%s per connection", count,
-       count == 1 ? "" : "s", mine.nqp, mine.nqp == 1 ? "" : "s");
+  if (mine.ok) CHECK_GOTO(connect_peers(comm, all, mine.nqp, w), res, out);
+  /* Every QP is in RTS before anybody writes: a write reaching a QP still in INIT is dropped
+   * (hardware retries it until its retry count runs out; the test double fails it at once). */
+  CHECK_GOTO(bs_barrier(comm, "ib-ready"), res, out);
 out:
   free(all);
   free(w);
