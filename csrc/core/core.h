@@ -112,7 +112,8 @@ int chorus_log_enabled(int level, int subsys);
     "selected NICs.")                                                                       \
   X(NET_GDR_LEVEL, "NET_GDR_LEVEL", "string", "", 1,                                        \
     "GPUDirect RDMA for device buffers: LOC (never) or PIX/PXB/PHB/SYS (allowed); empty: "   \
-    "allowed when dma-buf or nvidia-peermem is present. Not reached by the data path yet.")
+    "allowed when dma-buf or nvidia-peermem is present. Only logged: device buffers are "    \
+    "staged through host memory between hosts for now.")
 
 enum param_id {
 #define X_ENUM(ID, NAME, TYPE, DEF, NCCL, DOC) PARAM_##ID,

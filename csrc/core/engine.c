@@ -529,6 +529,8 @@ static void *engine_main(void *arg) {
                          chorus_result_string(res));
         }
       }
+      /* verbs peers learn of the failure before the caller does (it may exit at once) */
+      if (res != CHORUS_SUCCESS) ib_abort_conns(comm);
       pthread_mutex_lock(&comm->mu);
       comm->current = NULL;
       pthread_mutex_unlock(&comm->mu);

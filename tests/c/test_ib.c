@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -18,6 +19,7 @@
 #include "chorus.h"
 #include "core.h"
 #include "expect.h"
+#include "transport/ib_gdr.h"
 #include "transport/ib_verbs.h"
 
 int ib_hca_matches(const char *spec, const char *dev, int port);
@@ -43,6 +45,57 @@ static void test_hca(void) {
   EXPECT(!ib_hca_matches("^=mlx5_1", "mlx5_1", 1), "exact exclusion");
   EXPECT(ib_hca_matches("^=mlx5_1", "mlx5_10", 1), "exact exclusion spares longer names");
   EXPECT(ib_hca_matches(" mlx5_0 : 1 , mlx5_1 ", "mlx5_0", 1), "blanks");
+}
+
+/* GPUDirect mode choice, with a made-up library table and /sys tree (no GPU here). */
+static void *reg_mr_ptr;
+static struct cv_mr stub_mr;
+static struct cv_mr *stub_reg_mr(struct cv_pd *pd, void *addr, size_t len, int access) {
+  (void)pd, (void)len, (void)access;
+  reg_mr_ptr = addr;
+  return &stub_mr;
+}
+static uint64_t dmabuf_args[3];
+static struct cv_mr *stub_reg_dmabuf(struct cv_pd *pd, uint64_t off, size_t len, uint64_t iova,
+                                     int fd, int access) {
+  (void)pd, (void)access;
+  dmabuf_args[0] = off, dmabuf_args[1] = iova, dmabuf_args[2] = (uint64_t)fd + len;
+  return &stub_mr;
+}
+static void test_gdr(void) {
+  struct ib_api api;
+  memset(&api, 0, sizeof api);
+  api.reg_mr = stub_reg_mr;
+  char root[] = "/tmp/chorus-gdr-XXXXXX", buf[200], path[300];
+  const char *why = "";
+  EXPECT(mkdtemp(root) != NULL, "mkdtemp");
+  EXPECT(ib_gdr_mode(&api, "", root, buf, sizeof buf, &why) == IB_GDR_OFF, "nothing: off");
+  snprintf(path, sizeof path, "%s/sys", root);
+  EXPECT(mkdir(path, 0700) == 0, "mkdir");
+  snprintf(path, sizeof path, "%s/sys/module", root);
+  EXPECT(mkdir(path, 0700) == 0, "mkdir");
+  snprintf(path, sizeof path, "%s/sys/module/nvidia_peermem", root);
+  EXPECT(mkdir(path, 0700) == 0, "mkdir");
+  EXPECT(ib_gdr_mode(&api, "", root, buf, sizeof buf, &why) == IB_GDR_PEERMEM, "peermem: %s", why);
+  EXPECT(ib_gdr_mode(&api, "SYS", root, buf, sizeof buf, &why) == IB_GDR_PEERMEM, "SYS allows");
+  EXPECT(ib_gdr_mode(&api, "LOC", root, buf, sizeof buf, &why) == IB_GDR_OFF, "LOC forbids");
+  EXPECT(ib_gdr_mode(&api, "bogus", root, buf, sizeof buf, &why) == IB_GDR_OFF &&
+         strstr(why, "bogus"), "bad level named: %s", why);
+  int dev;
+  EXPECT(ib_reg_device_memory(&api, IB_GDR_PEERMEM, NULL, &dev, 64, -1, 0) == &stub_mr &&
+         reg_mr_ptr == &dev, "peermem registers the device pointer itself");
+  api.reg_dmabuf_mr = stub_reg_dmabuf;
+  EXPECT(ib_gdr_mode(&api, "", root, buf, sizeof buf, &why) == IB_GDR_DMABUF, "dma-buf first");
+  EXPECT(ib_reg_device_memory(&api, IB_GDR_DMABUF, NULL, &dev, 64, 9, 4096) == &stub_mr &&
+         dmabuf_args[0] == 4096 && dmabuf_args[1] == (uint64_t)(uintptr_t)&dev &&
+         dmabuf_args[2] == 9 + 64, "dma-buf registration arguments");
+  EXPECT(ib_reg_device_memory(&api, IB_GDR_OFF, NULL, &dev, 64, 9, 0) == NULL, "off: refused");
+  rmdir(path);
+  snprintf(path, sizeof path, "%s/sys/module", root);
+  rmdir(path);
+  snprintf(path, sizeof path, "%s/sys", root);
+  rmdir(path);
+  rmdir(root);
 }
 
 #if defined(__has_include)
@@ -362,6 +415,7 @@ static int run_world(const char *name, int n, enum mode mode, const char *remote
 int main(void) {
   const char *only = getenv("TEST_IB_ONLY"); /* a world's name prefix, to debug one */
   test_hca();
+  test_gdr();
   test_abi();
   only_world = only;
   int bad = 0;

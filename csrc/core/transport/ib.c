@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include "core.h"
+#include "ib_gdr.h"
 #include "ib_verbs.h"
 
 #define IB_MAX_NICS 16
@@ -943,6 +944,11 @@ static void log_nics(struct chorus_comm *comm, struct ib_state *st) {
                               i ? ", " : "", n->name, n->port, n->lid);
   }
   INFO(SUB_NET, comm->rank, "verbs: %d NIC%s: %s", st->nnics, st->nnics == 1 ? "" : "s", list);
+  char buf[160];
+  const char *why = "";
+  enum ib_gdr_mode m = ib_gdr_mode(st->api, param_str(PARAM_NET_GDR_LEVEL), "", buf, sizeof buf, &why);
+  INFO(SUB_NET, comm->rank, "verbs: GPUDirect RDMA %s (%s); device buffers are staged through "
+       "host memory for now", m == IB_GDR_OFF ? "unavailable" : ib_gdr_mode_name(m), why);
 }
 
 /* Creates every verbs connection (QPs in INIT), publishes them, then connects them. */
