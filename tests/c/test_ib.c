@@ -24,9 +24,17 @@
 
 int ib_hca_matches(const char *spec, const char *dev, int port);
 
-#ifndef FAKEVERBS_PATH
-#define FAKEVERBS_PATH "tests/fakeverbs/build/libfakeverbs.so"
-#endif
+/* The test double, built by the Makefile beside this program: <dir of the binary>/fakeverbs/ */
+static char fake_path[4096];
+static void find_fake(void) {
+  char exe[3900];
+  ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  if (n <= 0) n = 0;
+  exe[n] = 0;
+  char *slash = strrchr(exe, '/');
+  if (slash) *slash = 0;
+  snprintf(fake_path, sizeof fake_path, "%s/fakeverbs/libfakeverbs.so", exe);
+}
 
 static int g_rank;
 
@@ -414,17 +422,18 @@ static int run_world(const char *name, int n, enum mode mode, const char *remote
 
 int main(void) {
   const char *only = getenv("TEST_IB_ONLY"); /* a world's name prefix, to debug one */
+  find_fake();
   test_hca();
   test_gdr();
   test_abi();
   only_world = only;
   int bad = 0;
   setenv("CHORUS_SOCKET_IFNAME", "=lo", 1);
-  if (access(FAKEVERBS_PATH, R_OK) != 0) {
-    fprintf(stderr, "FAIL: %s is missing (make -C tests/fakeverbs)\n", FAKEVERBS_PATH);
+  if (access(fake_path, R_OK) != 0) {
+    fprintf(stderr, "FAIL: %s is missing (make -C tests/fakeverbs)\n", fake_path);
     bad++;
   } else {
-    setenv("CHORUS_IBVERBS_LIB", FAKEVERBS_PATH, 1);
+    setenv("CHORUS_IBVERBS_LIB", fake_path, 1);
     setenv("CHORUS_BUFFSIZE", "64K", 1); /* every big message wraps the rings */
     setenv("FAKEVERBS_DEVICES", "fake0", 1);
     bad += run_world("4 ranks, 2 hosts, IB, 1 QP", 4, PLAIN, "verbs");

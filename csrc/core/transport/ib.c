@@ -353,11 +353,13 @@ static chorus_result_t completion_failed(struct ib_conn *c, int qi, const struct
                                         : "receive of a write with immediate";
     describe_current(comm, during, sizeof during);
     struct ib_nic *n = &comm->ib->nic[c->q[qi].nic];
+    char which[48] = "";
+    if (kind != WR_RECV) snprintf(which, sizeof which, " #%llu", (unsigned long long)(wc->wr_id >> 8));
     snprintf(c->why, sizeof c->why,
-             "rank %d peer %d (verbs, %s channel, QP %d/%d 0x%x on %s:%d): %s #%llu to rank %d "
+             "rank %d peer %d (verbs, %s channel, QP %d/%d 0x%x on %s:%d): %s%s %s rank %d "
              "(%s) failed: %s (status %d, vendor error 0x%x)%s",
              comm->rank, c->base.peer, chan_name(c->base.channel), qi, c->nqp, wc->qp_num,
-             n->name, n->port, what, (unsigned long long)(wc->wr_id >> 8), c->base.peer,
+             n->name, n->port, what, which, kind == WR_RECV ? "from" : "to", c->base.peer,
              c->peer_desc, ib_wc_status_name(wc->status), wc->status, wc->vendor_err, during);
     c->broken = 1;
   }
