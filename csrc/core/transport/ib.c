@@ -199,7 +199,7 @@ static int gid_type(const struct ib_api *api, struct ib_nic *n, int idx) {
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) return -1;
   ssize_t r = read(fd, buf, sizeof buf - 1);
-  close(fd);
+  if (close(fd) != 0) return -1; /* type unknown */
   if (r <= 0) return -1;
   buf[r] = 0;
   if (strstr(buf, "v2")) return CV_GID_TYPE_ROCE_V2;
