@@ -118,6 +118,7 @@ struct ib_conn {
   int64_t next_probe;
   chorus_result_t err;
   int broken;                   /* a completion failed; fatal once the peer is needed */
+  int own;                      /* ... and why describes our own failed completion */
   int peer_failed;              /* the peer wrote its failure notice into our FIFO ... */
   uint64_t peer_failed_seq;     /* ... at this collective (0: outside one) */
   int abort_posted;
@@ -362,6 +363,7 @@ static chorus_result_t completion_failed(struct ib_conn *c, int qi, const struct
              n->name, n->port, what, which, kind == WR_RECV ? "from" : "to", c->base.peer,
              c->peer_desc, ib_wc_status_name(wc->status), wc->status, wc->vendor_err, during);
     c->broken = 1;
+    c->own = 1;
   }
   if (kind == WR_DATA) return conn_fatal(c);
   return CHORUS_SUCCESS;
@@ -586,6 +588,13 @@ static int failure_reached(struct chorus_comm *comm, uint64_t seq) {
  * most), or without it where the store has none (the failed rank may have hosted it). */
 static chorus_result_t fail_peer_reported(struct ib_conn *c, const char *why_text) {
   struct chorus_comm *comm = c->base.comm;
+  /* a completion of ours that failed on a connection to this peer is the first-hand cause */
+  for (int ch = 0; ch < CHAN_COUNT; ch++) {
+    conn_t *bc = comm->conns[ch][c->base.peer];
+    if (!bc || bc->ops != &ib_ops || !((struct ib_conn *)bc)->own) continue;
+    c->err = conn_fatal((struct ib_conn *)bc);
+    return c->err;
+  }
   snprintf(c->why, sizeof c->why, "rank %d peer %d (verbs, %s channel): rank %d reported a "
            "failure: %.700s", comm->rank, c->base.peer, chan_name(c->base.channel), c->base.peer,
            why_text);
