@@ -23,6 +23,7 @@
 #include "transport/ib_verbs.h"
 
 int ib_hca_matches(const char *spec, const char *dev, int port);
+const char *ib_conn_nic(const conn_t *c, int qp, int *nqp);
 
 /* The test double, built by the Makefile beside this program: <dir of the binary>/fakeverbs/ */
 static char fake_path[4096];
@@ -320,14 +321,30 @@ static void check_collectives(chorus_comm_t *c, int n) {
   OK(run_req(req, NULL, 0));
 }
 
-/* What each rank reaches its peers with: every peer on the other simulated host by verbs. */
+/* What each rank reaches its peers with: every peer on the other simulated host by verbs,
+ * on the NICs CHORUS_IB_HCA allows (env TEST_NICS: the names expected, comma-joined); with
+ * several QPs and NICs, a connection's QPs use different NICs. */
 static void check_transports(chorus_comm_t *c, const char *remote) {
+  const char *nics = getenv("TEST_NICS");
   for (int p = 0; p < c->nranks; p++) {
     if (p == c->rank) continue;
     const char *want = c->host_of[p] == c->host_of[c->rank] ? "shm" : remote;
-    for (int ch = 0; ch < CHAN_COUNT; ch++)
-      EXPECT(strcmp(c->conns[ch][p]->ops->name, want) == 0, "rank %d peer %d channel %d: %s, "
-             "expected %s", c->rank, p, ch, c->conns[ch][p]->ops->name, want);
+    for (int ch = 0; ch < CHAN_COUNT; ch++) {
+      conn_t *cn = c->conns[ch][p];
+      EXPECT(strcmp(cn->ops->name, want) == 0, "rank %d peer %d channel %d: %s, expected %s",
+             c->rank, p, ch, cn->ops->name, want);
+      if (strcmp(want, "verbs") != 0 || strcmp(cn->ops->name, "verbs") != 0 || !nics) continue;
+      int nqp = 0;
+      const char *first = ib_conn_nic(cn, 0, &nqp);
+      for (int q = 0; q < nqp; q++) {
+        const char *nic = ib_conn_nic(cn, q, &nqp);
+        EXPECT(nic && strstr(nics, nic), "rank %d peer %d QP %d on %s, not one of %s", c->rank,
+               p, q, nic ? nic : "?", nics);
+        if (q > 0 && strchr(nics, ','))
+          EXPECT(strcmp(nic, first) != 0, "rank %d peer %d: QPs 0 and %d both on %s", c->rank,
+                 p, q, nic);
+      }
+    }
   }
 }
 
@@ -435,12 +452,18 @@ int main(void) {
   } else {
     setenv("CHORUS_IBVERBS_LIB", fake_path, 1);
     setenv("CHORUS_BUFFSIZE", "64K", 1); /* every big message wraps the rings */
-    setenv("FAKEVERBS_DEVICES", "fake0", 1);
+    /* IB: three devices, IB_HCA leaves only fake1 */
+    setenv("FAKEVERBS_DEVICES", "fake0,fake1,fake2", 1);
+    setenv("CHORUS_IB_HCA", "^=fake0,fake2", 1);
+    setenv("TEST_NICS", "fake1", 1);
     bad += run_world("4 ranks, 2 hosts, IB, 1 QP", 4, PLAIN, "verbs");
+    unsetenv("CHORUS_IB_HCA");
     setenv("FAKEVERBS_DEVICES", "fake0/roce,fake1/roce", 1);
     setenv("CHORUS_IB_QPS_PER_CONNECTION", "2", 1);
+    setenv("TEST_NICS", "fake0,fake1", 1);
     bad += run_world("4 ranks, 2 hosts, RoCE, 2 QPs, 2 NICs", 4, PLAIN, "verbs");
     unsetenv("CHORUS_IB_QPS_PER_CONNECTION");
+    unsetenv("TEST_NICS");
     setenv("FAKEVERBS_DEVICES", "fake0", 1);
     bad += run_world("injected completion error", 2, FAULT, "verbs");
     bad += run_world("injected QP error", 2, QPERR, "verbs");

@@ -748,6 +748,15 @@ static const struct transport_ops ib_ops = {
     .read_direct = NULL,
 };
 
+/* For tests: the NIC QP qp of a verbs connection uses, and the connection's QP count. */
+const char *ib_conn_nic(const conn_t *bc, int qp, int *nqp) {
+  if (!bc || bc->ops != &ib_ops) return NULL;
+  const struct ib_conn *c = (const struct ib_conn *)bc;
+  *nqp = c->nqp;
+  if (qp < 0 || qp >= c->nqp) return NULL;
+  return bc->comm->ib->nic[c->q[qp].nic].name;
+}
+
 /* ------------------------------------------------------------ connection setup */
 struct wire_qp {
   uint32_t qpn, rkey;
@@ -1028,8 +1037,9 @@ chorus_result_t ib_setup(struct chorus_comm *comm) {
       discover(comm, st);
       TRACE(SUB_NET, me, "verbs: %s", why);
       if (st->nnics == 0) {
-        INFO(SUB_NET, me, "verbs: no usable NIC%s%s; hosts talk over TCP",
-             param_str(PARAM_IB_HCA)[0] ? " matches IB_HCA " : "", param_str(PARAM_IB_HCA));
+        if (!atomic_exchange(&unavailable_said, 1))
+          INFO(SUB_NET, me, "verbs: no usable NIC%s%s; hosts talk over TCP",
+               param_str(PARAM_IB_HCA)[0] ? " matches IB_HCA " : "", param_str(PARAM_IB_HCA));
       } else {
         log_nics(comm, st);
         mine.ok = 1;
