@@ -91,6 +91,7 @@ clean:
 	find . -name __pycache__ -type d -not -path './$(VENV)/*' -prune -exec rm -rf {} +
 	-$(MAKE) -C tests/c clean
 	-$(MAKE) -C tests/fuzz clean
+	-$(MAKE) -C tests/fakeverbs clean
 
 distclean: clean
 	rm -rf $(VENV)

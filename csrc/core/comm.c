@@ -68,6 +68,12 @@ static void read_host_id(char *hostid, size_t cap, char *hostname, size_t hcap) 
   }
   snprintf(hostid, cap, "%s|%s", host, boot);
   snprintf(hostname, hcap, "%s", host);
+  /* CHORUS_HOSTID: containers sharing one kernel, or tests simulating several hosts */
+  const char *forced = param_str(PARAM_HOSTID);
+  if (forced[0]) {
+    snprintf(hostid, cap, "forced|%s", forced);
+    snprintf(hostname, hcap, "%s", forced);
+  }
 }
 
 static int timeout_from(const chorus_comm_options_t *opts) {
@@ -89,6 +95,7 @@ static void comm_free(struct chorus_comm *comm) {
     free(comm->conns[ch]);
   }
   socket_teardown(comm);
+  ib_teardown(comm);
   shm_teardown(comm);
   if (comm->bs_owner && comm->bs.release) comm->bs.release(comm->bs.ctx);
   free(comm->peers);
@@ -151,6 +158,7 @@ static chorus_result_t comm_init(struct chorus_comm *comm, const chorus_comm_opt
   }
   if (n > 1) {
     CHECK(shm_setup(comm));
+    CHECK(ib_setup(comm));
     CHECK(socket_connect_all(comm));
   }
   for (int p = 0; p < n; p++) {

@@ -106,7 +106,31 @@ int chorus_log_enabled(int level, int subsys);
   X(TRACE_SIGNAL, "TRACE_SIGNAL", "string", "", 0,                                            \
     "Signal (SIGUSR2, USR2 or a number) on which every communicator of the process writes " \
     "its flight record to CHORUS_TRACE_DIR; installed with the first communicator. Empty: "  \
-    "none.")
+    "none.")                                                                                 \
+  X(HOSTID, "HOSTID", "string", "", 0,                                                      \
+    "Host identity ranks compare to find same-host peers; empty: host name and boot id. "    \
+    "For containers sharing a kernel, and tests that simulate several hosts.")              \
+  X(IB_DISABLE, "IB_DISABLE", "bool", "0", 1,                                               \
+    "1: never use InfiniBand/RoCE verbs; ranks on different hosts use TCP sockets.")        \
+  X(IBVERBS_LIB, "IBVERBS_LIB", "string", "", 0,                                            \
+    "libibverbs to load with dlopen (a file name or path); empty: libibverbs.so.1.")        \
+  X(IB_HCA, "IB_HCA", "string", "", 1,                                                      \
+    "RDMA devices to use: prefix list with optional :port (mlx5_0:1,mlx5_1), ^ to "         \
+    "exclude, = for exact names. Empty: every device with an active port.")                 \
+  X(IB_GID_INDEX, "IB_GID_INDEX", "int", "-1", 1,                                          \
+    "RoCE GID table index; -1 picks a RoCE v2 GID (IPv4-mapped first).")                    \
+  X(IB_TIMEOUT, "IB_TIMEOUT", "int", "20", 1,                                               \
+    "RC QP local ACK timeout exponent (4.096 us x 2^value).")                               \
+  X(IB_RETRY_CNT, "IB_RETRY_CNT", "int", "7", 1, "RC QP transport retry count (0-7).")     \
+  X(IB_SL, "IB_SL", "int", "0", 1, "InfiniBand service level of the QPs.")                  \
+  X(IB_TC, "IB_TC", "int", "0", 1, "RoCE traffic class of the QPs (GRH).")                 \
+  X(IB_QPS_PER_CONNECTION, "IB_QPS_PER_CONNECTION", "int", "1", 1,                          \
+    "Queue pairs per verbs connection (1-8); chunks go round-robin over them and over the "  \
+    "selected NICs.")                                                                       \
+  X(NET_GDR_LEVEL, "NET_GDR_LEVEL", "string", "", 1,                                        \
+    "GPUDirect RDMA for device buffers: LOC (never) or PIX/PXB/PHB/SYS (allowed); empty: "   \
+    "allowed when dma-buf or nvidia-peermem is present. Only logged: device buffers are "    \
+    "staged through host memory between hosts for now.")
 
 enum param_id {
 #define X_ENUM(ID, NAME, TYPE, DEF, NCCL, DOC) PARAM_##ID,
@@ -312,6 +336,16 @@ const char *socket_hello_problem(struct chorus_comm *comm, const uint8_t *h, cha
                                  size_t cap);
 int socket_ack_ok(const uint8_t *ack, int peer, int channel, int stream);
 
+/* ib.c: the InfiniBand/RoCE verbs transport (libibverbs loaded at run time). ib_setup, after
+ * the host map is known: where both ranks of a pair on different hosts have a usable NIC,
+ * connects them over verbs (comm->conns set; sockets take the rest). ib_abort_conns
+ * publishes this rank's failure for verbs peers (engine thread, once); ib_teardown frees the
+ * NICs after the connections are closed. */
+struct ib_state;
+chorus_result_t ib_setup(struct chorus_comm *comm);
+void ib_abort_conns(struct chorus_comm *comm);
+void ib_teardown(struct chorus_comm *comm);
+
 /* ------------------------------------------------------ bootstrap (bootstrap.c) */
 /* Key/value helpers that prefix keys with comm->prefix. */
 chorus_result_t bs_set(struct chorus_comm *comm, const char *key, const void *val, size_t len);
@@ -418,6 +452,7 @@ struct chorus_comm {
   conn_t **conns[CHAN_COUNT]; /* [channel][peer], NULL for self */
   struct shm_state *shm;
   struct sock_state *sock;
+  struct ib_state *ib;        /* ib.c: verbs NICs, NULL when not used */
 
   /* engine */
   pthread_t thread;

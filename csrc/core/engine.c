@@ -514,6 +514,7 @@ static void *engine_main(void *arg) {
 
     if (atomic_load(&comm->failed)) {
       socket_abort_conns(comm); /* peers waiting on other ranks learn it now */
+      ib_abort_conns(comm);
       p2p_fail_all(comm, failed_result(comm));
     }
     if (op) {
@@ -537,6 +538,8 @@ static void *engine_main(void *arg) {
                          chorus_result_string(res));
         }
       }
+      /* verbs peers learn of the failure before the caller does (it may exit at once) */
+      if (res != CHORUS_SUCCESS) ib_abort_conns(comm);
       pthread_mutex_lock(&comm->mu);
       comm->current = NULL;
       pthread_mutex_unlock(&comm->mu);

@@ -1,0 +1,1154 @@
+/* ib.c - the InfiniBand / RoCE verbs transport: NIC discovery (CHORUS_IB_HCA), link layer and
+ * GID choice, RC queue pairs through INIT -> RTR -> RTS, the out-of-band exchange through the
+ * store, and the byte stream of a connection as an RDMA ring per direction with a
+ * receiver-driven clear-to-send FIFO (design in docs/design.md, "Verbs transport").
+ *
+ * Per connection and direction the receiver owns a registered ring of S bytes; stream byte
+ * `pos` lives at index pos % S on both sides (the sender's local ring mirrors it). The sender
+ * RDMA-writes committed bytes into the receiver's ring with RDMA_WRITE_WITH_IMM, one work
+ * request per chunk (immediate = chunk length); chunk k goes on QP k % nqp, so the receiver
+ * reassembles the stream by taking chunk lengths from the QPs in the same round-robin order.
+ * The receiver returns credits by RDMA-writing a record {seq, consumed, reposted, check} into
+ * one of CTS_SLOTS slots of the sender's FIFO; the sender believes the valid record with the
+ * highest seq. One record is in flight at a time, so the newest complete record is never the
+ * one being overwritten. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core.h"
+#include "ib_gdr.h"
+#include "ib_verbs.h"
+
+#define IB_MAX_NICS 16
+#define IB_MAX_QPS 8
+#define CTS_SLOTS 4
+#define RECV_DEPTH 64            /* receives posted per QP; chunks in flight per connection */
+#define SEND_DEPTH 128           /* send work requests per QP */
+#define CQ_DEPTH (SEND_DEPTH + RECV_DEPTH + 16)
+#define CHUNK_MAX ((size_t)512 << 10)
+#define RING_MIN ((size_t)64 << 10)
+#define RING_MAX ((size_t)1 << 30)
+#define SIDE_BYTES 4096          /* FIFO / credit source area after each ring */
+#define PROBE_NS 1000000000LL    /* a starving connection asks the store about its peer */
+#define FAILURE_WAIT_MS 300
+#define NOTICE_GRACE_NS 1000000000LL /* after a peer's notice, how long a connection waiting on
+                                      * it gives bytes still in flight before failing */
+#define CTS_MAGIC 0x4348524356425331ull
+#define ABORT_MAGIC 0x41424f5254214221ull /* struct notice: the peer failed */
+#define NOTICE_OFF 256                     /* where the notice lies in the FIFO area */
+
+enum { WR_DATA = 1, WR_CTS = 2, WR_RECV = 3 };
+#define WRID(kind, q, n) ((uint64_t)(kind) | ((uint64_t)(q) << 4) | ((uint64_t)(n) << 8))
+
+struct ib_nic {
+  char name[64];
+  int port;
+  int dev_index;                /* index of the opened context in ib_state */
+  struct cv_context *ctx;
+  struct cv_pd *pd;
+  int link_layer;
+  uint16_t lid;
+  int gid_index;                /* -1 on InfiniBand */
+  int gid_type;
+  union cv_gid gid;
+  int mtu;
+  int width, speed;             /* port attributes as reported (for the log) */
+};
+
+struct ib_state {
+  const struct ib_api *api;
+  int nnics;
+  struct ib_nic nic[IB_MAX_NICS];
+  int nctx;
+  struct cv_context *ctx[IB_MAX_NICS];
+  struct cv_pd *pd[IB_MAX_NICS];
+  int next_nic;                 /* round-robin start of the next connection */
+  int aborted;
+  int nconns;
+};
+
+struct cts_rec {
+  uint64_t seq, consumed, reposted, check;
+};
+/* A failing rank's notice: its error text, then a record {1, failed collective, hash of the
+ * text, check} that is valid only once every byte has landed. */
+struct notice {
+  char text[480];
+  struct cts_rec rec;
+};
+
+struct ib_q {
+  struct cv_qp *qp;
+  struct cv_cq *cq;
+  int nic;
+  int sends;                    /* send work requests not yet completed */
+  uint32_t peer_rkey;           /* the peer's ring MR on the peer's NIC of this QP */
+  uint32_t arrived[RECV_DEPTH + 1]; /* chunk lengths received, not yet in the stream */
+  unsigned arr_head, arr_tail;
+};
+
+struct ib_conn {
+  conn_t base;
+  int nqp;
+  struct ib_q q[IB_MAX_QPS];
+  struct cv_mr *rmr[IB_MAX_NICS], *lmr[IB_MAX_NICS]; /* per NIC used: remote-writable, local */
+  uint8_t *mem;
+  size_t size;                  /* ring bytes */
+  uint8_t *rx, *tx;
+  struct cts_rec *fifo;         /* CTS_SLOTS records the peer writes (our sending credits),
+                                 * then its failure notice */
+  struct cts_rec *cts_src;      /* the record we write to the peer, then our failure notice */
+  uint64_t peer_rx, peer_fifo;  /* the peer's addresses */
+  /* sending */
+  uint64_t tx_tail, tx_posted, tx_acked, chunks_sent, peer_reposted, cts_seen;
+  /* receiving */
+  uint64_t rx_head, rx_tail, chunks_rcvd, reposted, cts_seq, cts_consumed, cts_reposted;
+  int cts_inflight;
+  int starving;
+  int64_t next_probe;
+  chorus_result_t err;
+  int broken;                   /* a completion failed; fatal once the peer is needed */
+  int own;                      /* ... and why describes our own failed completion */
+  int peer_failed;              /* the peer wrote its failure notice into our FIFO ... */
+  uint64_t peer_failed_seq;     /* ... at this collective (0: outside one) */
+  int abort_posted;
+  char peer_notice[480];        /* the text of the peer's notice */
+  int64_t peer_failed_at;       /* when the notice was read */
+  int64_t last_moved;           /* when this connection last moved anything */
+  char why[1024];
+  char peer_desc[96];
+};
+
+static const struct transport_ops ib_ops;
+static _Atomic int unavailable_said;
+
+static const char *chan_name(int ch) { return ch == CHAN_COLL ? "coll" : "p2p"; }
+static const char *ll_name(int ll) {
+  return ll == CV_LINK_LAYER_ETHERNET ? "RoCE" : ll == CV_LINK_LAYER_INFINIBAND ? "IB" : "?";
+}
+
+/* ------------------------------------------------------------ NIC selection */
+/* NCCL's list syntax: entries "name[:port]" separated by commas; a leading ^ excludes the
+ * listed ones, = makes names exact instead of prefixes. Exposed for the unit test. */
+int ib_hca_matches(const char *spec, const char *dev, int port) {
+  if (!spec) return 1;
+  const char *p = spec;
+  int exclude = 0, exact = 0, entries = 0, hit = 0;
+  while (*p == ' ') p++;
+  if (*p == '^') exclude = 1, p++;
+  if (*p == '=') exact = 1, p++;
+  size_t dl = strlen(dev);
+  while (*p) {
+    const char *e = strchr(p, ',');
+    if (!e) e = p + strlen(p);
+    const char *b = p, *colon = NULL;
+    while (b < e && *b == ' ') b++;
+    const char *end = e;
+    while (end > b && end[-1] == ' ') end--;
+    for (const char *x = b; x < end; x++)
+      if (*x == ':') colon = x;
+    const char *name_end = colon ? colon : end;
+    while (name_end > b && name_end[-1] == ' ') name_end--;
+    size_t n = (size_t)(name_end - b);
+    if (n) {
+      entries++;
+      int want_port = colon ? atoi(colon + 1) : 0;
+      int name_ok = exact ? (dl == n && memcmp(dev, b, n) == 0) : (dl >= n && memcmp(dev, b, n) == 0);
+      if (name_ok && (!want_port || want_port == port)) hit = 1;
+    }
+    if (!*e) break;
+    p = e + 1;
+  }
+  if (!entries) return 1;
+  return exclude ? !hit : hit;
+}
+
+static int gid_is_zero(const union cv_gid *g) {
+  for (int i = 0; i < 16; i++)
+    if (g->raw[i]) return 0;
+  return 1;
+}
+
+static int gid_is_v4mapped(const union cv_gid *g) {
+  static const uint8_t pre[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+  return memcmp(g->raw, pre, 12) == 0;
+}
+
+/* The GID type: the extended query where the library has it, else sysfs (as rdma-core
+ * itself does). -1 if unknown. */
+static int gid_type(const struct ib_api *api, struct ib_nic *n, int idx) {
+  if (api->query_gid_ex) {
+    struct cv_gid_entry e;
+    memset(&e, 0, sizeof e);
+    if (api->query_gid_ex(n->ctx, (uint32_t)n->port, (uint32_t)idx, &e, 0, sizeof e) == 0)
+      return (int)e.gid_type;
+    return -1;
+  }
+  char path[256], buf[64];
+  snprintf(path, sizeof path, "/sys/class/infiniband/%s/ports/%d/gid_attrs/types/%d", n->name,
+           n->port, idx);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  ssize_t r = read(fd, buf, sizeof buf - 1);
+  if (close(fd) != 0) return -1; /* type unknown */
+  if (r <= 0) return -1;
+  buf[r] = 0;
+  if (strstr(buf, "v2")) return CV_GID_TYPE_ROCE_V2;
+  if (strstr(buf, "RoCE") || strstr(buf, "IB/RoCE")) return CV_GID_TYPE_ROCE_V1;
+  return -1;
+}
+
+/* RoCE: the GID to address this port with. Returns 0 or -1 (message in why). */
+static int choose_gid(const struct ib_api *api, struct ib_nic *n, int tbl_len, char *why,
+                      size_t cap) {
+  int64_t want = param_int(PARAM_IB_GID_INDEX);
+  if (want >= 0) {
+    if (want >= tbl_len || api->query_gid(n->ctx, (uint8_t)n->port, (int)want, &n->gid) != 0 ||
+        gid_is_zero(&n->gid)) {
+      snprintf(why, cap, "%s:%d: IB_GID_INDEX %lld is not a valid GID (table of %d)", n->name,
+               n->port, (long long)want, tbl_len);
+      return -1;
+    }
+    n->gid_index = (int)want;
+    n->gid_type = gid_type(api, n, (int)want);
+    return 0;
+  }
+  /* auto: RoCE v2 first (routable), IPv4-mapped before IPv6; then any non-zero GID */
+  int best = -1, best_score = -1, best_type = -1;
+  union cv_gid best_gid;
+  memset(&best_gid, 0, sizeof best_gid);
+  for (int i = 0; i < tbl_len && i < 256; i++) {
+    union cv_gid g;
+    if (api->query_gid(n->ctx, (uint8_t)n->port, i, &g) != 0 || gid_is_zero(&g)) continue;
+    int t = gid_type(api, n, i);
+    int score = (t == CV_GID_TYPE_ROCE_V2 ? 4 : 0) + (gid_is_v4mapped(&g) ? 2 : 0) + 1;
+    if (score > best_score) best = i, best_score = score, best_gid = g, best_type = t;
+  }
+  if (best < 0) {
+    snprintf(why, cap, "%s:%d: RoCE port without any GID", n->name, n->port);
+    return -1;
+  }
+  n->gid_index = best;
+  n->gid = best_gid;
+  n->gid_type = best_type;
+  return 0;
+}
+
+/* Opens every device with an active port that CHORUS_IB_HCA selects. 0 NICs is not an
+ * error (verbs are then simply not used); a failure of the library is logged. */
+static void discover(struct chorus_comm *comm, struct ib_state *st) {
+  const struct ib_api *api = st->api;
+  const char *spec = param_str(PARAM_IB_HCA);
+  int ndev = 0;
+  struct cv_device **list = api->get_device_list(&ndev);
+  if (!list) {
+    INFO(SUB_NET, comm->rank, "verbs: ibv_get_device_list failed: %s", strerror(errno));
+    return;
+  }
+  for (int d = 0; d < ndev && st->nnics < IB_MAX_NICS; d++) {
+    const char *name = api->get_device_name(list[d]);
+    if (!name) continue;
+    if (spec[0] && !ib_hca_matches(spec, name, 0) && spec[0] != '^') {
+      /* a name not listed at all (ports checked below for listed names) */
+      int any = 0;
+      for (int port = 1; port <= 8 && !any; port++) any = ib_hca_matches(spec, name, port);
+      if (!any) continue;
+    }
+    struct cv_context *ctx = api->open_device(list[d]);
+    if (!ctx) {
+      INFO(SUB_NET, comm->rank, "verbs: cannot open %s: %s", name, strerror(errno));
+      continue;
+    }
+    struct cv_pd *pd = api->alloc_pd(ctx);
+    if (!pd) {
+      INFO(SUB_NET, comm->rank, "verbs: cannot allocate a protection domain on %s", name);
+      if (api->close_device(ctx) != 0) INFO(SUB_NET, comm->rank, "verbs: closing %s failed", name);
+      continue;
+    }
+    int used = 0;
+    for (int port = 1; port <= 8 && st->nnics < IB_MAX_NICS; port++) {
+      struct cv_port_attr pa;
+      memset(&pa, 0, sizeof pa);
+      if (api->query_port(ctx, (uint8_t)port, &pa) != 0) break; /* no such port */
+      if (pa.state != CV_PORT_ACTIVE) continue;
+      if (spec[0] && !ib_hca_matches(spec, name, port)) continue;
+      struct ib_nic *n = &st->nic[st->nnics];
+      memset(n, 0, sizeof *n);
+      snprintf(n->name, sizeof n->name, "%s", name);
+      n->port = port;
+      n->ctx = ctx;
+      n->pd = pd;
+      n->dev_index = st->nctx;
+      n->link_layer = pa.link_layer == CV_LINK_LAYER_ETHERNET ? CV_LINK_LAYER_ETHERNET
+                                                              : CV_LINK_LAYER_INFINIBAND;
+      n->lid = pa.lid;
+      n->mtu = pa.active_mtu >= CV_MTU_256 && pa.active_mtu <= CV_MTU_4096 ? pa.active_mtu
+                                                                           : CV_MTU_1024;
+      n->width = pa.active_width;
+      n->speed = pa.active_speed;
+      n->gid_index = -1;
+      n->gid_type = CV_GID_TYPE_IB;
+      if (n->link_layer == CV_LINK_LAYER_ETHERNET) {
+        char why[200];
+        if (choose_gid(api, n, pa.gid_tbl_len, why, sizeof why) != 0) {
+          WARN(comm->rank, "verbs: %s; port skipped", why);
+          continue;
+        }
+      } else if (pa.lid == 0) {
+        INFO(SUB_NET, comm->rank, "verbs: %s:%d is active but has no LID (no subnet manager?)",
+             name, port);
+        continue;
+      }
+      st->nnics++;
+      used = 1;
+    }
+    if (used) {
+      st->ctx[st->nctx] = ctx;
+      st->pd[st->nctx] = pd;
+      st->nctx++;
+    } else {
+      if (api->dealloc_pd(pd) != 0 || api->close_device(ctx) != 0)
+        INFO(SUB_NET, comm->rank, "verbs: releasing %s failed", name);
+    }
+  }
+  api->free_device_list(list);
+}
+
+/* ------------------------------------------------------------ errors */
+static void describe_current(struct chorus_comm *comm, char *buf, size_t cap) {
+  buf[0] = 0;
+  const struct op *cur = comm->current;
+  if (cur) {
+    char d[200];
+    op_describe(cur, d, sizeof d);
+    snprintf(buf, cap, " during %s", d);
+  }
+}
+
+static chorus_result_t conn_fatal(struct ib_conn *c) {
+  if (c->err) return c->err;
+  c->err = comm_set_error(c->base.comm, CHORUS_ERR_PEER, "%s", c->why);
+  return c->err;
+}
+
+/* A failed work completion: described once (the first failure is the cause; later ones are
+ * usually flushes). Data writes are fatal at once; a failed credit write or flushed receive
+ * becomes fatal when this connection is needed (the peer may have finished and closed). */
+static chorus_result_t completion_failed(struct ib_conn *c, int qi, const struct cv_wc *wc,
+                                         int kind) {
+  struct chorus_comm *comm = c->base.comm;
+  if (!c->broken) {
+    char during[240];
+    const char *what = kind == WR_DATA ? "RDMA write with immediate (data)"
+                       : kind == WR_CTS ? "RDMA write (clear-to-send credit)"
+                                        : "receive of a write with immediate";
+    describe_current(comm, during, sizeof during);
+    struct ib_nic *n = &comm->ib->nic[c->q[qi].nic];
+    char which[48] = "";
+    if (kind != WR_RECV) snprintf(which, sizeof which, " #%llu", (unsigned long long)(wc->wr_id >> 8));
+    snprintf(c->why, sizeof c->why,
+             "rank %d peer %d (verbs, %s channel, QP %d/%d 0x%x on %s:%d): %s%s %s rank %d "
+             "(%s) failed: %s (status %d, vendor error 0x%x)%s",
+             comm->rank, c->base.peer, chan_name(c->base.channel), qi, c->nqp, wc->qp_num,
+             n->name, n->port, what, which, kind == WR_RECV ? "from" : "to", c->base.peer,
+             c->peer_desc, ib_wc_status_name(wc->status), wc->status, wc->vendor_err, during);
+    c->broken = 1;
+    c->own = 1;
+  }
+  if (kind == WR_DATA) return conn_fatal(c);
+  return CHORUS_SUCCESS;
+}
+
+/* ------------------------------------------------------------ data path */
+static chorus_result_t post_recv(struct ib_conn *c, int qi) {
+  struct cv_recv_wr wr, *bad = NULL;
+  memset(&wr, 0, sizeof wr);
+  wr.wr_id = WRID(WR_RECV, qi, 0);
+  int rc = ib_post_recv(c->q[qi].qp, &wr, &bad);
+  if (rc) {
+    struct chorus_comm *comm = c->base.comm;
+    snprintf(c->why, sizeof c->why, "rank %d peer %d (verbs, %s channel): ibv_post_recv on QP "
+             "%d failed: %s", comm->rank, c->base.peer, chan_name(c->base.channel), qi,
+             strerror(rc));
+    c->broken = 1;
+    return conn_fatal(c);
+  }
+  return CHORUS_SUCCESS;
+}
+
+static uint64_t cts_check(const struct cts_rec *r) {
+  return (r->seq * 0x9E3779B97F4A7C15ull) ^ (r->consumed * 0xC2B2AE3D27D4EB4Full) ^
+         (r->reposted * 0x165667B19E3779F9ull) ^ CTS_MAGIC;
+}
+
+static chorus_result_t post_failed(struct ib_conn *c, int qi, int rc, const char *what) {
+  struct chorus_comm *comm = c->base.comm;
+  if (!c->broken) {
+    snprintf(c->why, sizeof c->why, "rank %d peer %d (verbs, %s channel): ibv_post_send of %s "
+             "on QP %d failed: %s", comm->rank, c->base.peer, chan_name(c->base.channel), what,
+             qi, strerror(rc));
+    c->broken = 1;
+  }
+  return conn_fatal(c);
+}
+
+/* Posts committed bytes as chunks while the receiver's ring and receive queues have room. */
+static chorus_result_t post_data(struct ib_conn *c, int *progressed) {
+  size_t chunk = c->size / 4 < CHUNK_MAX ? c->size / 4 : CHUNK_MAX;
+  while (c->tx_posted < c->tx_tail) {
+    if (c->chunks_sent - c->peer_reposted >= RECV_DEPTH) break;
+    int qi = (int)(c->chunks_sent % (uint64_t)c->nqp);
+    struct ib_q *q = &c->q[qi];
+    if (q->sends >= SEND_DEPTH - 1) break; /* one slot kept for credits on QP 0 */
+    size_t idx = (size_t)(c->tx_posted % c->size);
+    size_t len = (size_t)(c->tx_tail - c->tx_posted);
+    if (len > chunk) len = chunk;
+    if (len > c->size - idx) len = c->size - idx;
+    struct cv_sge sge = {(uint64_t)(uintptr_t)(c->tx + idx), (uint32_t)len, c->lmr[q->nic]->lkey};
+    struct cv_send_wr wr, *bad = NULL;
+    memset(&wr, 0, sizeof wr);
+    wr.wr_id = WRID(WR_DATA, qi, c->chunks_sent);
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = CV_WR_RDMA_WRITE_WITH_IMM;
+    wr.send_flags = CV_SEND_SIGNALED;
+    wr.imm_data = htonl((uint32_t)len);
+    wr.wr.rdma.remote_addr = c->peer_rx + idx;
+    wr.wr.rdma.rkey = q->peer_rkey;
+    int rc = ib_post_send(q->qp, &wr, &bad);
+    if (rc) return post_failed(c, qi, rc, "a data chunk");
+    q->sends++;
+    c->chunks_sent++;
+    c->tx_posted += len;
+    *progressed = 1;
+  }
+  return CHORUS_SUCCESS;
+}
+
+/* Tells the sender what we consumed and how many receives we reposted (one in flight). */
+static chorus_result_t post_cts(struct ib_conn *c, int *progressed) {
+  if (c->cts_inflight) return CHORUS_SUCCESS;
+  if (c->rx_head == c->cts_consumed && c->reposted == c->cts_reposted) return CHORUS_SUCCESS;
+  struct ib_q *q = &c->q[0];
+  if (q->sends >= SEND_DEPTH) return CHORUS_SUCCESS;
+  struct cts_rec *r = c->cts_src;
+  r->seq = ++c->cts_seq;
+  r->consumed = c->rx_head;
+  r->reposted = c->reposted;
+  r->check = cts_check(r);
+  struct cv_sge sge = {(uint64_t)(uintptr_t)r, (uint32_t)sizeof *r, c->lmr[q->nic]->lkey};
+  struct cv_send_wr wr, *bad = NULL;
+  memset(&wr, 0, sizeof wr);
+  wr.wr_id = WRID(WR_CTS, 0, r->seq);
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  wr.opcode = CV_WR_RDMA_WRITE;
+  wr.send_flags = CV_SEND_SIGNALED;
+  wr.wr.rdma.remote_addr = c->peer_fifo + (r->seq % CTS_SLOTS) * sizeof *r;
+  wr.wr.rdma.rkey = q->peer_rkey;
+  int rc = ib_post_send(q->qp, &wr, &bad);
+  if (rc) return post_failed(c, 0, rc, "a clear-to-send credit");
+  q->sends++;
+  c->cts_inflight = 1;
+  c->cts_consumed = r->consumed;
+  c->cts_reposted = r->reposted;
+  *progressed = 1;
+  return CHORUS_SUCCESS;
+}
+
+static uint64_t abort_check(const struct cts_rec *r) { return cts_check(r) ^ ABORT_MAGIC; }
+
+static uint64_t text_hash(const char *t, size_t n) {
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < n; i++) h = (h ^ (uint8_t)t[i]) * 1099511628211ull;
+  return h;
+}
+
+/* The newest valid credit record the peer wrote into our FIFO, and its failure notice. */
+static void read_fifo(struct ib_conn *c, int *progressed) {
+  if (!c->peer_failed) {
+    struct cts_rec r;
+    const struct notice *nt = (const struct notice *)((const uint8_t *)c->fifo + NOTICE_OFF);
+    r.seq = __atomic_load_n(&nt->rec.seq, __ATOMIC_ACQUIRE);
+    if (r.seq == 1) {
+      r.consumed = __atomic_load_n(&nt->rec.consumed, __ATOMIC_ACQUIRE);
+      r.reposted = __atomic_load_n(&nt->rec.reposted, __ATOMIC_ACQUIRE);
+      r.check = __atomic_load_n(&nt->rec.check, __ATOMIC_ACQUIRE);
+      char text[sizeof nt->text];
+      memcpy(text, (const void *)nt->text, sizeof text);
+      text[sizeof text - 1] = 0;
+      if (r.check == abort_check(&r) && r.reposted == text_hash(text, sizeof text)) {
+        /* the notice holds for both connections to this peer (it may reach us on either) */
+        for (int ch = 0; ch < CHAN_COUNT; ch++) {
+          conn_t *bc = c->base.comm->conns[ch][c->base.peer];
+          if (!bc || bc->ops != &ib_ops) continue;
+          struct ib_conn *x = (struct ib_conn *)bc;
+          if (x->peer_failed) continue;
+          x->peer_failed = 1;
+          x->peer_failed_seq = r.consumed;
+          x->peer_failed_at = now_ns();
+          snprintf(x->peer_notice, sizeof x->peer_notice, "%s", text);
+        }
+        *progressed = 1;
+      }
+    }
+  }
+  for (int s = 0; s < CTS_SLOTS; s++) {
+    struct cts_rec r;
+    r.seq = __atomic_load_n(&c->fifo[s].seq, __ATOMIC_ACQUIRE);
+    r.consumed = __atomic_load_n(&c->fifo[s].consumed, __ATOMIC_ACQUIRE);
+    r.reposted = __atomic_load_n(&c->fifo[s].reposted, __ATOMIC_ACQUIRE);
+    r.check = __atomic_load_n(&c->fifo[s].check, __ATOMIC_ACQUIRE);
+    if (r.seq <= c->cts_seen || r.check != cts_check(&r)) continue; /* old, or being written */
+    if (r.consumed > c->tx_posted || r.reposted > c->chunks_sent) continue; /* impossible */
+    c->cts_seen = r.seq;
+    if (r.consumed > c->tx_acked) c->tx_acked = r.consumed, *progressed = 1;
+    if (r.reposted > c->peer_reposted) c->peer_reposted = r.reposted, *progressed = 1;
+  }
+}
+
+static chorus_result_t poll_cqs(struct ib_conn *c, int *progressed) {
+  struct cv_wc wc[16];
+  for (int qi = 0; qi < c->nqp; qi++) {
+    struct ib_q *q = &c->q[qi];
+    for (;;) {
+      int n = ib_poll_cq(q->cq, 16, wc);
+      if (n < 0) {
+        struct chorus_comm *comm = c->base.comm;
+        if (!c->broken)
+          snprintf(c->why, sizeof c->why, "rank %d peer %d (verbs, %s channel): polling the "
+                   "completion queue of QP %d failed (%d)", comm->rank, c->base.peer,
+                   chan_name(c->base.channel), qi, n);
+        c->broken = 1;
+        return conn_fatal(c);
+      }
+      for (int i = 0; i < n; i++) {
+        int kind = (int)(wc[i].wr_id & 15);
+        if (kind == WR_DATA || kind == WR_CTS) q->sends--;
+        if (kind == WR_CTS && (wc[i].wr_id >> 8) != 0) c->cts_inflight = 0;
+        if (wc[i].status != CV_WC_SUCCESS) {
+          CHECK(completion_failed(c, qi, &wc[i], kind));
+          continue;
+        }
+        if (kind == WR_RECV) {
+          if (!(wc[i].wc_flags & CV_WC_WITH_IMM)) continue;
+          unsigned next = (q->arr_tail + 1) % (RECV_DEPTH + 1);
+          if (next == q->arr_head) { /* the sender broke the receive-credit rule */
+            snprintf(c->why, sizeof c->why, "rank %d peer %d (verbs): more chunks in flight "
+                     "on QP %d than receives posted", c->base.comm->rank, c->base.peer, qi);
+            c->broken = 1;
+            return conn_fatal(c);
+          }
+          q->arrived[q->arr_tail] = ntohl(wc[i].imm_data);
+          q->arr_tail = next;
+          c->reposted++;
+          CHECK(post_recv(c, qi));
+        }
+        *progressed = 1;
+      }
+      if (n < 16) break;
+    }
+  }
+  /* Chunks join the stream in the order they were sent: chunk k came on QP k % nqp. */
+  for (;;) {
+    struct ib_q *q = &c->q[c->chunks_rcvd % (uint64_t)c->nqp];
+    if (q->arr_head == q->arr_tail) break;
+    uint32_t len = q->arrived[q->arr_head];
+    q->arr_head = (q->arr_head + 1) % (RECV_DEPTH + 1);
+    if (len > c->size - (size_t)(c->rx_tail - c->rx_head)) {
+      snprintf(c->why, sizeof c->why, "rank %d peer %d (verbs): chunk of %u bytes overflows "
+               "the receive ring", c->base.comm->rank, c->base.peer, len);
+      c->broken = 1;
+      return conn_fatal(c);
+    }
+    c->rx_tail += len;
+    c->chunks_rcvd++;
+  }
+  return CHORUS_SUCCESS;
+}
+
+/* The peer failed at collective seq (0: outside one): has this rank reached it? Earlier
+ * collectives, which the peer completed, still finish here. */
+static int failure_reached(struct chorus_comm *comm, uint64_t seq) {
+  const struct op *cur = comm->current;
+  return seq == 0 || (cur && cur->kind != OP_SEND && cur->kind != OP_RECV && cur->seq >= seq);
+}
+
+/* Fails the connection with the reason the peer published in the store (waiting wait_ms at
+ * most), or without it where the store has none (the failed rank may have hosted it). */
+static chorus_result_t fail_peer_reported(struct ib_conn *c, const char *why_text) {
+  struct chorus_comm *comm = c->base.comm;
+  /* a completion of ours that failed on a connection to this peer is the first-hand cause */
+  for (int ch = 0; ch < CHAN_COUNT; ch++) {
+    conn_t *bc = comm->conns[ch][c->base.peer];
+    if (!bc || bc->ops != &ib_ops || !((struct ib_conn *)bc)->own) continue;
+    c->err = conn_fatal((struct ib_conn *)bc);
+    return c->err;
+  }
+  snprintf(c->why, sizeof c->why, "rank %d peer %d (verbs, %s channel): rank %d reported a "
+           "failure: %.700s", comm->rank, c->base.peer, chan_name(c->base.channel), c->base.peer,
+           why_text);
+  c->broken = 1;
+  return conn_fatal(c);
+}
+
+static int read_failure(struct ib_conn *c, int wait_ms, char *why, size_t cap) {
+  char key[32];
+  size_t got = 0;
+  snprintf(key, sizeof key, "failure/%d", c->base.peer);
+  if (bs_try_get(c->base.comm, key, why, cap - 1, &got, wait_ms) != CHORUS_SUCCESS || got == 0)
+    return 0;
+  why[got < cap ? got : cap - 1] = 0;
+  return 1;
+}
+
+/* Has the peer published a failure (ib_abort_conns / socket_abort_conns) that this rank has
+ * reached? Then fail with its reason rather than at the timeout. Asked once a second while
+ * the connection waits (the FIFO notice is the fast path; this covers a notice that could
+ * not be written). */
+static chorus_result_t probe_peer(struct ib_conn *c) {
+  int64_t now = now_ns();
+  if (now < c->next_probe) return CHORUS_SUCCESS;
+  c->next_probe = now + PROBE_NS;
+  char why[700];
+  if (!read_failure(c, 1, why, sizeof why)) return CHORUS_SUCCESS;
+  if (!failure_reached(c->base.comm, strtoull(why, NULL, 10))) return CHORUS_SUCCESS;
+  const char *text = strchr(why, '|');
+  return fail_peer_reported(c, text ? text + 1 : why);
+}
+
+static chorus_result_t ib_progress(conn_t *bc, int *progressed) {
+  struct ib_conn *c = (struct ib_conn *)bc;
+  int moved = 0;
+  if (c->err) return c->err;
+  CHECK(poll_cqs(c, &moved));
+  read_fifo(c, &moved);
+  CHECK(post_data(c, &moved));
+  CHECK(post_cts(c, &moved));
+  if (moved && progressed) *progressed = 1;
+  int waiting = (c->starving && c->rx_head == c->rx_tail) || c->tx_posted < c->tx_tail;
+  if (c->peer_failed) {
+    /* fail at the collective the peer failed at; or earlier, when this rank waits on the
+     * peer and nothing has come for a while: bytes the peer committed before it failed may
+     * have been flushed with its queue pair, and will never arrive */
+    int64_t now = now_ns();
+    if (moved) c->last_moved = now;
+    int64_t since = c->last_moved > c->peer_failed_at ? c->last_moved : c->peer_failed_at;
+    if (failure_reached(c->base.comm, c->peer_failed_seq) ||
+        (waiting && now - since > NOTICE_GRACE_NS))
+      return fail_peer_reported(c, c->peer_notice);
+  }
+  if (c->broken && waiting) return conn_fatal(c);
+  if (waiting && !moved) CHECK(probe_peer(c));
+  return CHORUS_SUCCESS;
+}
+
+static chorus_result_t ib_reserve(conn_t *bc, void **ptr, size_t *len) {
+  struct ib_conn *c = (struct ib_conn *)bc;
+  size_t used = (size_t)(c->tx_tail - c->tx_acked);
+  size_t idx = (size_t)(c->tx_tail % c->size);
+  size_t space = c->size - used, contig = c->size - idx;
+  *ptr = c->tx + idx;
+  *len = space < contig ? space : contig;
+  return c->err;
+}
+
+static chorus_result_t ib_commit(conn_t *bc, size_t len) {
+  struct ib_conn *c = (struct ib_conn *)bc;
+  size_t used = (size_t)(c->tx_tail - c->tx_acked);
+  size_t idx = (size_t)(c->tx_tail % c->size);
+  if (len > c->size - used || len > c->size - idx)
+    return comm_set_error(bc->comm, CHORUS_ERR_INTERNAL, "rank %d peer %d: verbs commit of %zu "
+                          "bytes exceeds the reserved space", bc->comm->rank, bc->peer, len);
+  c->tx_tail += len;
+  int moved = 0;
+  if (c->err) return c->err;
+  return post_data(c, &moved);
+}
+
+static chorus_result_t ib_peek(conn_t *bc, const void **ptr, size_t *len) {
+  struct ib_conn *c = (struct ib_conn *)bc;
+  size_t avail = (size_t)(c->rx_tail - c->rx_head);
+  size_t idx = (size_t)(c->rx_head % c->size);
+  size_t contig = c->size - idx;
+  *ptr = c->rx + idx;
+  *len = avail < contig ? avail : contig;
+  c->starving = *len == 0;
+  return CHORUS_SUCCESS;
+}
+
+static chorus_result_t ib_consume(conn_t *bc, size_t len) {
+  struct ib_conn *c = (struct ib_conn *)bc;
+  if (len > c->rx_tail - c->rx_head)
+    return comm_set_error(bc->comm, CHORUS_ERR_INTERNAL, "rank %d peer %d: verbs consume of %zu "
+                          "bytes exceeds the %llu readable", bc->comm->rank, bc->peer, len,
+                          (unsigned long long)(c->rx_tail - c->rx_head));
+  c->rx_head += len;
+  int moved = 0;
+  if (c->err) return c->err;
+  return post_cts(c, &moved);
+}
+
+/* No file descriptor: completions are polled. An entry with fd -1 (poll() ignores it) asks
+ * the engine to keep progressing while bytes or credits still have to go out. */
+static int ib_pollfd(conn_t *bc, struct pollfd *pfd) {
+  struct ib_conn *c = (struct ib_conn *)bc;
+  if (c->err) return 0;
+  pfd->fd = -1;
+  pfd->events = 0;
+  pfd->revents = 0;
+  if (c->tx_posted < c->tx_tail || c->rx_head != c->cts_consumed || c->reposted != c->cts_reposted)
+    pfd->events = POLLOUT;
+  return 1;
+}
+
+static void conn_free(struct ib_conn *c) {
+  struct chorus_comm *comm = c->base.comm;
+  const struct ib_api *api = comm->ib ? comm->ib->api : NULL;
+  if (api) {
+    for (int i = 0; i < c->nqp; i++) {
+      if (c->q[i].qp && api->destroy_qp(c->q[i].qp) != 0)
+        TRACE(SUB_NET, comm->rank, "verbs: destroying a QP failed");
+      if (c->q[i].cq && api->destroy_cq(c->q[i].cq) != 0)
+        TRACE(SUB_NET, comm->rank, "verbs: destroying a CQ failed");
+    }
+    for (int i = 0; i < IB_MAX_NICS; i++) {
+      if (c->rmr[i] && api->dereg_mr(c->rmr[i]) != 0)
+        TRACE(SUB_NET, comm->rank, "verbs: deregistering a ring failed");
+      if (c->lmr[i] && api->dereg_mr(c->lmr[i]) != 0)
+        TRACE(SUB_NET, comm->rank, "verbs: deregistering a ring failed");
+    }
+  }
+  free(c->mem);
+  free(c);
+}
+
+static void ib_close(conn_t *bc) { conn_free((struct ib_conn *)bc); }
+
+static const struct transport_ops ib_ops = {
+    .name = "verbs",
+    .reserve = ib_reserve,
+    .commit = ib_commit,
+    .peek = ib_peek,
+    .consume = ib_consume,
+    .progress = ib_progress,
+    .pollfd = ib_pollfd,
+    .close = ib_close,
+    .write_direct = NULL,
+    .read_direct = NULL,
+};
+
+/* For tests: the NIC QP qp of a verbs connection uses, and the connection's QP count. */
+const char *ib_conn_nic(const conn_t *bc, int qp, int *nqp) {
+  if (!bc || bc->ops != &ib_ops) return NULL;
+  const struct ib_conn *c = (const struct ib_conn *)bc;
+  *nqp = c->nqp;
+  if (qp < 0 || qp >= c->nqp) return NULL;
+  return bc->comm->ib->nic[c->q[qp].nic].name;
+}
+
+/* ------------------------------------------------------------ connection setup */
+struct wire_qp {
+  uint32_t qpn, rkey;
+  uint16_t lid;
+  uint8_t link_layer, mtu;
+  uint8_t gid[16];
+  uint32_t pad;
+};
+struct wire_conn {
+  uint64_t rx_addr, fifo_addr, size;
+  uint32_t nqp, pad;
+  struct wire_qp qp[IB_MAX_QPS];
+};
+struct wire_rank {
+  int32_t ok, nqp;
+};
+
+static size_t ring_size(void) {
+  int64_t v = param_int(PARAM_BUFFSIZE);
+  size_t s = v < (int64_t)RING_MIN ? RING_MIN : (uint64_t)v > RING_MAX ? RING_MAX : (size_t)v;
+  return (s + 4095) & ~(size_t)4095;
+}
+
+/* Allocates the rings, registers them on every NIC the QPs use, creates the QPs (INIT) and
+ * posts their receives; fills *w with what the peer needs. */
+static chorus_result_t conn_create(struct chorus_comm *comm, int peer, int ch, int nqp,
+                                   struct ib_conn **out, struct wire_conn *w) {
+  struct ib_state *st = comm->ib;
+  const struct ib_api *api = st->api;
+  struct ib_conn *c = calloc(1, sizeof *c);
+  if (!c) return comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d: out of memory", comm->rank);
+  c->base.ops = &ib_ops;
+  c->base.comm = comm;
+  c->base.peer = peer;
+  c->base.channel = ch;
+  c->nqp = nqp;
+  c->size = ring_size();
+  snprintf(c->peer_desc, sizeof c->peer_desc, "%s", comm->peers[peer].hostname);
+  size_t half = c->size + SIDE_BYTES;
+  if (posix_memalign((void **)&c->mem, 4096, 2 * half) != 0) {
+    free(c);
+    return comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d peer %d: cannot allocate 2 x %zu "
+                          "bytes of verbs rings", comm->rank, peer, half);
+  }
+  memset(c->mem, 0, 2 * half);
+  c->rx = c->mem;
+  c->fifo = (struct cts_rec *)(c->mem + c->size);
+  c->tx = c->mem + half;
+  c->cts_src = (struct cts_rec *)(c->mem + half + c->size);
+  memset(w, 0, sizeof *w);
+  w->rx_addr = (uint64_t)(uintptr_t)c->rx;
+  w->fifo_addr = (uint64_t)(uintptr_t)c->fifo;
+  w->size = c->size;
+  w->nqp = (uint32_t)nqp;
+  chorus_result_t res = CHORUS_SUCCESS;
+  int first = st->next_nic;
+  st->next_nic = (st->next_nic + 1) % st->nnics;
+  for (int qi = 0; qi < nqp; qi++) {
+    int ni = (first + qi) % st->nnics;
+    struct ib_nic *n = &st->nic[ni];
+    struct ib_q *q = &c->q[qi];
+    q->nic = ni;
+    if (!c->rmr[ni]) {
+      c->rmr[ni] = api->reg_mr(n->pd, c->rx, half, CV_ACCESS_LOCAL_WRITE | CV_ACCESS_REMOTE_WRITE);
+      c->lmr[ni] = c->rmr[ni] ? api->reg_mr(n->pd, c->tx, half, CV_ACCESS_LOCAL_WRITE) : NULL;
+      if (!c->rmr[ni] || !c->lmr[ni]) {
+        res = comm_set_error(comm, CHORUS_ERR_SYSTEM, "rank %d peer %d: ibv_reg_mr of %zu bytes "
+                             "on %s failed: %s (locked-memory limit? ulimit -l)", comm->rank,
+                             peer, half, n->name, strerror(errno));
+        goto fail;
+      }
+    }
+    q->cq = api->create_cq(n->ctx, CQ_DEPTH, NULL, NULL, 0);
+    if (!q->cq) {
+      res = comm_set_error(comm, CHORUS_ERR_SYSTEM, "rank %d peer %d: ibv_create_cq on %s "
+                           "failed: %s", comm->rank, peer, n->name, strerror(errno));
+      goto fail;
+    }
+    struct cv_qp_init_attr ia;
+    memset(&ia, 0, sizeof ia);
+    ia.send_cq = q->cq;
+    ia.recv_cq = q->cq;
+    ia.cap.max_send_wr = SEND_DEPTH;
+    ia.cap.max_recv_wr = RECV_DEPTH;
+    ia.cap.max_send_sge = 1;
+    ia.cap.max_recv_sge = 1;
+    ia.qp_type = CV_QPT_RC;
+    q->qp = api->create_qp(n->pd, &ia);
+    if (!q->qp) {
+      res = comm_set_error(comm, CHORUS_ERR_SYSTEM, "rank %d peer %d: ibv_create_qp (RC) on %s "
+                           "failed: %s", comm->rank, peer, n->name, strerror(errno));
+      goto fail;
+    }
+    struct cv_qp_attr a;
+    memset(&a, 0, sizeof a);
+    a.qp_state = CV_QPS_INIT;
+    a.pkey_index = 0;
+    a.port_num = (uint8_t)n->port;
+    a.qp_access_flags = CV_ACCESS_REMOTE_WRITE;
+    int rc = api->modify_qp(q->qp, &a, CV_QP_STATE | CV_QP_PKEY_INDEX | CV_QP_PORT |
+                                           CV_QP_ACCESS_FLAGS);
+    if (rc) {
+      res = comm_set_error(comm, CHORUS_ERR_SYSTEM, "rank %d peer %d: QP %d on %s: RESET -> "
+                           "INIT failed: %s", comm->rank, peer, qi, n->name, strerror(rc));
+      goto fail;
+    }
+    for (int i = 0; i < RECV_DEPTH; i++) {
+      res = post_recv(c, qi);
+      if (res != CHORUS_SUCCESS) goto fail;
+    }
+    struct wire_qp *wq = &w->qp[qi];
+    wq->qpn = q->qp->qp_num;
+    wq->rkey = c->rmr[ni]->rkey;
+    wq->lid = n->lid;
+    wq->link_layer = (uint8_t)n->link_layer;
+    wq->mtu = (uint8_t)n->mtu;
+    memcpy(wq->gid, n->gid.raw, 16);
+  }
+  *out = c;
+  return CHORUS_SUCCESS;
+fail:
+  conn_free(c);
+  return res;
+}
+
+/* INIT -> RTR -> RTS against the peer's description. */
+static chorus_result_t conn_connect(struct ib_conn *c, const struct wire_conn *w) {
+  struct chorus_comm *comm = c->base.comm;
+  struct ib_state *st = comm->ib;
+  int peer = c->base.peer;
+  if (w->size != c->size || (int)w->nqp != c->nqp)
+    return comm_set_error(comm, CHORUS_ERR_INVALID, "rank %d peer %d: verbs rings of %llu "
+                          "bytes and %u QPs there, %zu and %d here (CHORUS_BUFFSIZE and "
+                          "CHORUS_IB_QPS_PER_CONNECTION must agree)", comm->rank, peer,
+                          (unsigned long long)w->size, w->nqp, c->size, c->nqp);
+  c->peer_rx = w->rx_addr;
+  c->peer_fifo = w->fifo_addr;
+  for (int qi = 0; qi < c->nqp; qi++) {
+    struct ib_q *q = &c->q[qi];
+    struct ib_nic *n = &st->nic[q->nic];
+    const struct wire_qp *wq = &w->qp[qi];
+    if (wq->link_layer != n->link_layer)
+      return comm_set_error(comm, CHORUS_ERR_INVALID, "rank %d peer %d: QP %d joins %s on %s:%d "
+                            "with %s at rank %d", comm->rank, peer, qi, ll_name(n->link_layer),
+                            n->name, n->port, ll_name(wq->link_layer), peer);
+    q->peer_rkey = wq->rkey;
+    struct cv_qp_attr a;
+    memset(&a, 0, sizeof a);
+    a.qp_state = CV_QPS_RTR;
+    a.path_mtu = wq->mtu < n->mtu ? wq->mtu : n->mtu;
+    a.dest_qp_num = wq->qpn;
+    a.rq_psn = 0;
+    a.max_dest_rd_atomic = 1;
+    a.min_rnr_timer = 12;
+    a.ah_attr.port_num = (uint8_t)n->port;
+    a.ah_attr.sl = (uint8_t)param_int(PARAM_IB_SL);
+    if (n->link_layer == CV_LINK_LAYER_ETHERNET) {
+      a.ah_attr.is_global = 1;
+      memcpy(a.ah_attr.grh.dgid.raw, wq->gid, 16);
+      a.ah_attr.grh.sgid_index = (uint8_t)n->gid_index;
+      a.ah_attr.grh.hop_limit = 255;
+      a.ah_attr.grh.traffic_class = (uint8_t)param_int(PARAM_IB_TC);
+    } else {
+      a.ah_attr.dlid = wq->lid;
+    }
+    int rc = st->api->modify_qp(q->qp, &a, CV_QP_STATE | CV_QP_AV | CV_QP_PATH_MTU |
+                                               CV_QP_DEST_QPN | CV_QP_RQ_PSN |
+                                               CV_QP_MAX_DEST_RD_ATOMIC | CV_QP_MIN_RNR_TIMER);
+    if (rc)
+      return comm_set_error(comm, CHORUS_ERR_SYSTEM, "rank %d peer %d: QP %d on %s:%d: INIT -> "
+                            "RTR to QP 0x%x failed: %s", comm->rank, peer, qi, n->name, n->port,
+                            wq->qpn, strerror(rc));
+    memset(&a, 0, sizeof a);
+    a.qp_state = CV_QPS_RTS;
+    a.timeout = (uint8_t)param_int(PARAM_IB_TIMEOUT);
+    a.retry_cnt = (uint8_t)param_int(PARAM_IB_RETRY_CNT);
+    a.rnr_retry = 7;
+    a.sq_psn = 0;
+    a.max_rd_atomic = 1;
+    rc = st->api->modify_qp(q->qp, &a, CV_QP_STATE | CV_QP_TIMEOUT | CV_QP_RETRY_CNT |
+                                           CV_QP_RNR_RETRY | CV_QP_SQ_PSN |
+                                           CV_QP_MAX_QP_RD_ATOMIC);
+    if (rc)
+      return comm_set_error(comm, CHORUS_ERR_SYSTEM, "rank %d peer %d: QP %d on %s:%d: RTR -> "
+                            "RTS failed: %s", comm->rank, peer, qi, n->name, n->port,
+                            strerror(rc));
+  }
+  return CHORUS_SUCCESS;
+}
+
+static void log_nics(struct chorus_comm *comm, struct ib_state *st) {
+  char list[600];
+  size_t len = 0;
+  list[0] = 0;
+  for (int i = 0; i < st->nnics && len + 100 < sizeof list; i++) {
+    struct ib_nic *n = &st->nic[i];
+    if (n->link_layer == CV_LINK_LAYER_ETHERNET)
+      len += (size_t)snprintf(list + len, sizeof list - len, "%s%s:%d (RoCE%s, GID index %d)",
+                              i ? ", " : "", n->name, n->port,
+                              n->gid_type == CV_GID_TYPE_ROCE_V2   ? " v2"
+                              : n->gid_type == CV_GID_TYPE_ROCE_V1 ? " v1" : "",
+                              n->gid_index);
+    else
+      len += (size_t)snprintf(list + len, sizeof list - len, "%s%s:%d (IB, LID %u)",
+                              i ? ", " : "", n->name, n->port, n->lid);
+  }
+  INFO(SUB_NET, comm->rank, "verbs: %d NIC%s: %s", st->nnics, st->nnics == 1 ? "" : "s", list);
+  char buf[160];
+  const char *why = "";
+  enum ib_gdr_mode m = ib_gdr_mode(st->api, param_str(PARAM_NET_GDR_LEVEL), "", buf, sizeof buf, &why);
+  INFO(SUB_NET, comm->rank, "verbs: GPUDirect RDMA %s (%s); device buffers are staged through "
+       "host memory for now", m == IB_GDR_OFF ? "unavailable" : ib_gdr_mode_name(m), why);
+}
+
+/* Creates every verbs connection (QPs in INIT), publishes them, then connects them. */
+static chorus_result_t connect_peers(struct chorus_comm *comm, const struct wire_rank *all,
+                                     int nqp, struct wire_conn *w) {
+  int me = comm->rank, n = comm->nranks;
+  chorus_result_t res = CHORUS_SUCCESS;
+  int count = 0;
+  /* create every connection (QPs in INIT) and publish them, then connect */
+  for (int p = 0; p < n; p++) {
+    if (p == me || comm->host_of[p] == comm->host_of[me] || !all[p].ok) continue;
+    if (all[p].nqp != nqp) {
+      res = comm_set_error(comm, CHORUS_ERR_INVALID, "rank %d: CHORUS_IB_QPS_PER_CONNECTION is "
+                           "%d here and %d on rank %d; it must agree", me, nqp,
+                           all[p].nqp, p);
+      return res;
+    }
+    for (int ch = 0; ch < CHAN_COUNT; ch++) {
+      struct ib_conn *c = NULL;
+      CHECK_GOTO(conn_create(comm, p, ch, nqp, &c, &w[ch]), res, done);
+      comm->conns[ch][p] = &c->base;
+      comm->ib->nconns++;
+    }
+    char key[48];
+    snprintf(key, sizeof key, "ib/%d/%d", me, p);
+    CHECK_GOTO(bs_set(comm, key, w, CHAN_COUNT * sizeof *w), res, done);
+    count++;
+  }
+  for (int p = 0; p < n; p++) {
+    conn_t *c0 = comm->conns[CHAN_COLL][p];
+    if (p == me || !c0 || c0->ops != &ib_ops) continue;
+    char key[48];
+    snprintf(key, sizeof key, "ib/%d/%d", p, me);
+    CHECK_GOTO(bs_get(comm, key, w, CHAN_COUNT * sizeof *w), res, done);
+    for (int ch = 0; ch < CHAN_COUNT; ch++)
+      CHECK_GOTO(conn_connect((struct ib_conn *)comm->conns[ch][p], &w[ch]), res, done);
+  }
+  INFO(SUB_NET, me, "verbs: connected to %d peer%s, %d QP%s per connection", count,
+       count == 1 ? "" : "s", nqp, nqp == 1 ? "" : "s");
+done:
+  return res;
+}
+
+chorus_result_t ib_setup(struct chorus_comm *comm) {
+  int me = comm->rank, n = comm->nranks;
+  if (comm->nhosts < 2) return CHORUS_SUCCESS;
+  struct wire_rank mine = {0, 0};
+  int64_t nqp = param_int(PARAM_IB_QPS_PER_CONNECTION);
+  if (nqp < 1 || nqp > IB_MAX_QPS)
+    return comm_set_error(comm, CHORUS_ERR_INVALID, "rank %d: CHORUS_IB_QPS_PER_CONNECTION "
+                          "must be 1 to %d, not %lld", me, IB_MAX_QPS, (long long)nqp);
+  mine.nqp = (int32_t)nqp;
+  if (param_int(PARAM_IB_DISABLE)) {
+    INFO(SUB_NET, me, "verbs: disabled by IB_DISABLE");
+  } else {
+    const char *why = "";
+    const struct ib_api *api = ib_api_get(&why);
+    if (!api) {
+      if (!atomic_exchange(&unavailable_said, 1))
+        INFO(SUB_NET, me, "verbs unavailable (%s); hosts talk over TCP", why);
+    } else {
+      struct ib_state *st = calloc(1, sizeof *st);
+      if (!st) return comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d: out of memory", me);
+      st->api = api;
+      comm->ib = st;
+      discover(comm, st);
+      TRACE(SUB_NET, me, "verbs: %s", why);
+      if (st->nnics == 0) {
+        if (!atomic_exchange(&unavailable_said, 1))
+          INFO(SUB_NET, me, "verbs: no usable NIC%s%s; hosts talk over TCP",
+               param_str(PARAM_IB_HCA)[0] ? " matches IB_HCA " : "", param_str(PARAM_IB_HCA));
+      } else {
+        log_nics(comm, st);
+        mine.ok = 1;
+      }
+    }
+  }
+  struct wire_rank *all = calloc((size_t)n, sizeof *all);
+  struct wire_conn *w = calloc(CHAN_COUNT, sizeof *w);
+  chorus_result_t res = CHORUS_SUCCESS;
+  if (!all || !w) {
+    res = comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d: out of memory", me);
+    goto out;
+  }
+  CHECK_GOTO(bs_allgather(comm, "ib", &mine, all, sizeof mine), res, out);
+  if (mine.ok) CHECK_GOTO(connect_peers(comm, all, mine.nqp, w), res, out);
+  /* Every QP is in RTS before anybody writes: a write reaching a QP still in INIT is dropped
+   * (hardware retries it until its retry count runs out; the test double fails it at once). */
+  CHECK_GOTO(bs_barrier(comm, "ib-ready"), res, out);
+out:
+  free(all);
+  free(w);
+  return res;
+}
+
+/* Writes this rank's failure notice into the peer's FIFO (slot CTS_SLOTS) on QP 0. */
+static void post_abort(struct ib_conn *c, uint64_t failed_seq, const char *text) {
+  struct ib_q *q = &c->q[0];
+  if (q->sends >= SEND_DEPTH) return;
+  struct notice *nt = (struct notice *)((uint8_t *)c->cts_src + NOTICE_OFF);
+  memset(nt, 0, sizeof *nt);
+  snprintf(nt->text, sizeof nt->text, "%s", text);
+  struct cts_rec *r = &nt->rec;
+  r->seq = 1;
+  r->consumed = failed_seq;
+  r->reposted = text_hash(nt->text, sizeof nt->text);
+  r->check = abort_check(r);
+  struct cv_sge sge = {(uint64_t)(uintptr_t)nt, (uint32_t)sizeof *nt, c->lmr[q->nic]->lkey};
+  struct cv_send_wr wr, *bad = NULL;
+  memset(&wr, 0, sizeof wr);
+  wr.wr_id = WRID(WR_CTS, 0, 0);
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  wr.opcode = CV_WR_RDMA_WRITE;
+  wr.send_flags = CV_SEND_SIGNALED;
+  wr.wr.rdma.remote_addr = c->peer_fifo + NOTICE_OFF;
+  wr.wr.rdma.rkey = q->peer_rkey;
+  if (ib_post_send(q->qp, &wr, &bad) == 0) {
+    q->sends++;
+    c->abort_posted = 1;
+  }
+}
+
+void ib_abort_conns(struct chorus_comm *comm) {
+  struct ib_state *st = comm->ib;
+  if (!st || st->aborted || !st->nconns) return;
+  st->aborted = 1;
+  char key[32], msg[700];
+  pthread_mutex_lock(&comm->err_mu);
+  snprintf(msg, sizeof msg, "%llu|%.600s", (unsigned long long)comm->failed_seq,
+           comm->errbuf[0] ? comm->errbuf : "communicator failed");
+  uint64_t failed_seq = comm->failed_seq;
+  pthread_mutex_unlock(&comm->err_mu);
+  snprintf(key, sizeof key, "failure/%d", comm->rank);
+  if (bs_try_set(comm, key, msg, strlen(msg)) != CHORUS_SUCCESS)
+    INFO(SUB_NET, comm->rank, "verbs: could not publish the failure in the store");
+  /* The notice in every verbs peer's FIFO, on every connection (the one that failed may be
+   * broken; the peer reads all of them). Then a short wait for the writes to leave. */
+  int pending = 0;
+  for (int ch = 0; ch < CHAN_COUNT; ch++)
+    for (int p = 0; comm->conns[ch] && p < comm->nranks; p++) {
+      conn_t *bc = comm->conns[ch][p];
+      if (!bc || bc->ops != &ib_ops) continue;
+      post_abort((struct ib_conn *)bc, failed_seq, strchr(msg, '|') + 1);
+      pending += ((struct ib_conn *)bc)->abort_posted;
+    }
+  int64_t end = now_ns() + 200 * 1000000LL;
+  while (pending && now_ns() < end) {
+    pending = 0;
+    for (int ch = 0; ch < CHAN_COUNT; ch++)
+      for (int p = 0; comm->conns[ch] && p < comm->nranks; p++) {
+        conn_t *bc = comm->conns[ch][p];
+        if (!bc || bc->ops != &ib_ops) continue;
+        struct ib_conn *c = (struct ib_conn *)bc;
+        struct cv_wc wc[16];
+        for (int qi = 0; qi < c->nqp; qi++) {
+          int n = ib_poll_cq(c->q[qi].cq, 16, wc);
+          for (int i = 0; i < n; i++) {
+            int kind = (int)(wc[i].wr_id & 15);
+            if (kind == WR_DATA || kind == WR_CTS) c->q[qi].sends--;
+            if (kind == WR_CTS && (wc[i].wr_id >> 8) == 0) c->abort_posted = 0;
+          }
+        }
+        pending += c->abort_posted;
+      }
+    if (pending) sched_yield();
+  }
+  INFO(SUB_NET, comm->rank, "verbs: failure notice written to the peers%s",
+       pending ? " (some writes still in flight)" : "");
+}
+
+void ib_teardown(struct chorus_comm *comm) {
+  struct ib_state *st = comm ? comm->ib : NULL;
+  if (!st) return;
+  for (int i = 0; i < st->nctx; i++) {
+    if (st->pd[i] && st->api->dealloc_pd(st->pd[i]) != 0)
+      TRACE(SUB_NET, comm->rank, "verbs: deallocating a protection domain failed");
+    if (st->ctx[i] && st->api->close_device(st->ctx[i]) != 0)
+      TRACE(SUB_NET, comm->rank, "verbs: closing a device failed");
+  }
+  free(st);
+  comm->ib = NULL;
+}

@@ -1,0 +1,137 @@
+"""The verbs (InfiniBand/RoCE) transport, end to end through torch.distributed, over the
+libibverbs test double tests/fakeverbs (no RDMA hardware needed): the double is built here
+with its Makefile and loaded through the transport's own dlopen path (CHORUS_IBVERBS_LIB).
+
+Ranks count as separate hosts through CHORUS_HOSTID (simhost<rank // 2>): ranks of one
+simulated host talk over shared memory, ranks of different ones over verbs, and the log must
+say so. Checked: every collective and point-to-point op with values computed independently,
+over IB with one QP per connection, and over RoCE with 2 QPs per connection on 2 NICs; an
+injected completion error becomes an exception on both ranks, naming the peer and the verbs
+status, long before the timeout; without a usable libibverbs (a path that does not exist, and
+the default library name) the job runs over TCP and says once why.
+"""
+import json
+import os
+import re
+import subprocess
+
+import pytest
+
+from launch import REPO, WORKERS, backend_under_test, run_job
+
+FAKE_DIR = os.path.join(REPO, "tests", "fakeverbs")
+FAKE_LIB = os.path.join(FAKE_DIR, "build", "libfakeverbs.so")
+WORKER = os.path.join(WORKERS, "verbs_job.py")
+
+pytestmark = pytest.mark.skipif(backend_under_test() != "chorus",
+                                reason="the verbs transport is Chorus's own")
+
+
+@pytest.fixture(scope="module")
+def fake_lib():
+    res = subprocess.run(["make", "-s", "-C", FAKE_DIR], capture_output=True, text=True)
+    assert res.returncode == 0, f"building the test double failed:\n{res.stdout}{res.stderr}"
+    assert os.path.exists(FAKE_LIB)
+    return FAKE_LIB
+
+
+def verbs_env(lib, **extra):
+    env = {"CHORUS_IBVERBS_LIB": lib, "CHORUS_BUFFSIZE": "64K", "CHORUS_DEBUG": "INFO",
+           "CHORUS_DEBUG_SUBSYS": "INIT,NET", "CHORUS_TEST_PG_TIMEOUT": "60",
+           "FAKEVERBS_FAIL_AFTER": None, "CHORUS_IB_DISABLE": None, "NCCL_IB_DISABLE": None,
+           "CHORUS_IB_HCA": None, "NCCL_IB_HCA": None}
+    env.update(extra)
+    return env
+
+
+def records(tmp_path, world):
+    out = {}
+    for r in range(world):
+        path = tmp_path / f"rank{r}.json"
+        assert path.exists(), f"rank {r} wrote no record"
+        out[r] = json.loads(path.read_text())
+    return out
+
+
+def assert_links(res, world, remote):
+    """Each rank's log names the transport to every peer: shm inside a simulated host,
+    `remote` between them."""
+    for r in res.ranks:
+        for p in range(world):
+            if p == r.rank:
+                continue
+            want = "shm" if p // 2 == r.rank // 2 else remote
+            line = f"peer {p} (simhost{p // 2}) via {want}"
+            assert line in r.output, f"rank {r.rank}: no '{line}' in its log:\n{r.output[-3000:]}"
+
+
+CONFIGS = {
+    "ib-1qp-1nic": {"FAKEVERBS_DEVICES": "fake0", "CHORUS_IB_QPS_PER_CONNECTION": "1"},
+    "roce-2qp-2nic": {"FAKEVERBS_DEVICES": "fake0/roce,fake1/roce",
+                      "CHORUS_IB_QPS_PER_CONNECTION": "2"},
+}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_every_collective_over_verbs(fake_lib, tmp_path, config):
+    res = run_job(f"verbs-{config}", WORKER, 4, args=["--out", str(tmp_path), "--mode", "coll"],
+                  env=verbs_env(fake_lib, **CONFIGS[config]), timeout=180)
+    assert res.ok, res.describe()
+    assert_links(res, 4, "verbs")
+    recs = records(tmp_path, 4)
+    for r, rec in recs.items():
+        assert rec["failures"] == [], f"rank {r}: {rec['failures'][:10]}"
+        # 7 (size, dtype) cases x 11 checks + 2 point-to-point checks x 3 sizes on every rank;
+        # rank 1 also checks reduce's result, rank 2 gather's
+        want = 7 * 11 + 3 * 2 + (7 if r in (1, 2) else 0)
+        assert rec["checks"] == want, f"rank {r} ran {rec['checks']} checks, not {want}"
+    log = res.ranks[0].output
+    if config.startswith("roce"):
+        # both NICs in use, each addressed by its RoCE v2 IPv4-mapped GID (table index 2)
+        assert re.search(r"verbs: 2 NICs: fake0:1 \(RoCE v2, GID index 2\), "
+                         r"fake1:1 \(RoCE v2, GID index 2\)", log), log[-3000:]
+        assert "2 QPs per connection" in log, log[-3000:]
+    else:
+        assert re.search(r"verbs: 1 NIC: fake0:1 \(IB, LID \d+\)", log), log[-3000:]
+
+
+def test_completion_error_raises_naming_peer_and_status(fake_lib, tmp_path):
+    res = run_job("verbs-fault", WORKER, 2, args=["--out", str(tmp_path), "--mode", "fault"],
+                  env=verbs_env(fake_lib, FAKEVERBS_DEVICES="fake0", VERBS_RANKS_PER_HOST="1",
+                                VERBS_FAIL_AFTER="40"),
+                  timeout=120)
+    assert res.ok, res.describe()
+    recs = records(tmp_path, 2)
+    for r, rec in recs.items():
+        err = rec["error"]
+        assert err, f"rank {r}: no exception after the injected error ({rec['checks']} checks)"
+        assert rec["failures"] == [], f"rank {r}: wrong values before the error: {rec['failures']}"
+        # the process-group timeout is 60 s: a failure that waits for it is a hang
+        assert rec["seconds"] < 20, f"rank {r} took {rec['seconds']:.1f} s to fail: {err}"
+        assert "transport retry counter exceeded" in err and "status 12" in err, \
+            f"rank {r}: the verbs status is not named: {err}"
+        other = 1 - r
+        assert f"rank {r} peer {other} (verbs" in err, f"rank {r}: the peer is not named: {err}"
+    # the rank whose completion failed says so first-hand, with the vendor error it got
+    assert "vendor error 0x81" in recs[0]["error"], recs[0]["error"]
+
+
+def test_without_libibverbs_the_job_runs_over_tcp(tmp_path):
+    """Rank 0 names a library that does not exist, rank 1 the default name (libibverbs.so.1:
+    absent in CI, or present without any RDMA device): on both, verbs are unavailable, said
+    once, and the two simulated hosts talk over TCP."""
+    missing = "/nonexistent/libibverbs.so.1"
+    res = run_job("verbs-none", WORKER, 2, args=["--out", str(tmp_path), "--mode", "plain"],
+                  env=verbs_env("", VERBS_RANKS_PER_HOST="1", VERBS_LIB_OF_RANK=f"{missing},"),
+                  timeout=120)
+    assert res.ok, res.describe()
+    recs = records(tmp_path, 2)
+    for r, rec in recs.items():
+        assert rec["failures"] == [] and rec["checks"] == 1, rec
+    for r in res.ranks:
+        said = re.findall(r"verbs unavailable \(.*\)|verbs: no usable NIC", r.output)
+        assert len(said) == 1, f"rank {r.rank}: {said}\n{r.output[-3000:]}"
+        if r.rank == 0:
+            assert f"cannot load {missing}" in said[0], said
+        line = f"peer {1 - r.rank} (simhost{1 - r.rank}) via socket"
+        assert line in r.output, r.output[-3000:]
