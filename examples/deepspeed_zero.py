@@ -12,7 +12,8 @@ same).
 
 CPU: DeepSpeed's CPU accelerator (DS_ACCELERATOR=cpu, set here when the device is the CPU)
 needs neither intel_extension_for_pytorch nor oneCCL; it asks for "gloo" as its own backend,
-which it never opens here since the group exists already. The optimizer is torch.optim's Adam
+which it never opens here since the group exists already. Its shared-memory all-reduce for
+inference, which it would compile with g++ at start-up, is switched off (see worker()). The optimizer is torch.optim's Adam
 ("torch_adam": true) so that no DeepSpeed C++/CUDA op has to be compiled; the DeepSpeed
 wheel needs no build of ops either (DS_BUILD_OPS unset). Training is fp32 (bf16 / fp16
 engines work the same way over Chorus but add their own loss scaling or casts).
@@ -87,6 +88,14 @@ def worker(args):
     import deepspeed
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
+    if args.dev.type == "cpu":
+        # On the CPU, DeepSpeed's communication wrapper compiles (g++, once per machine) and
+        # starts a shared-memory all-reduce of its own at start-up, which only its inference
+        # path (inference_all_reduce) uses: training collectives go to torch.distributed, here
+        # Chorus. The compile took minutes on a 2-core machine, so it is skipped here.
+        import deepspeed.comm.torch as ds_comm_torch
+
+        ds_comm_torch.build_shm_op = lambda: None
     losses = {v: train(v, args, rank, args.dev) for v in args.variants}
     harness.write(args, "deepspeed_zero", losses, TOLERANCE,
                   {"tolerance_cross_device": TOLERANCE_CROSS_DEVICE})

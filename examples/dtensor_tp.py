@@ -35,6 +35,10 @@ TOLERANCE = {"tp": {"rtol": 1e-5}, "funcol": {"rtol": 1e-5}, "single": {"rtol": 
 TOLERANCE_CROSS_DEVICE = {v: {"rtol": 1e-3, **({"ref": "tp"} if v == "tp_compiled" else {})}
                           for v in VARIANTS}
 SEED, BATCH, IN, HIDDEN = 3, 16, 32, 64
+# torch.compile's backend for "tp_compiled": inductor (the default, generated C++ on the
+# CPU), or aot_eager (the same traced forward and backward graphs with their functional
+# collectives, run without code generation: what CI uses, to save Inductor's compile).
+COMPILE_BACKEND = os.environ.get("CHORUS_EXAMPLE_COMPILE_BACKEND", "inductor")
 
 
 def make_model():
@@ -56,7 +60,8 @@ def tp_model(dev, compiled):
     mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
     model = parallelize_module(make_model().to(dev), mesh,
                                {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    return torch.compile(model) if compiled else model, model.parameters()
+    return (torch.compile(model, backend=COMPILE_BACKEND) if compiled else model,
+            model.parameters())
 
 
 class SumPartials(torch.autograd.Function):
