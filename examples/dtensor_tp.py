@@ -16,8 +16,10 @@ run and the "single" curve, the unsplit model trained by rank 0 alone, within a 
 (the row-parallel sum adds the ranks' partial products in another order than one matmul
 does). "tp_compiled" is compared with the eager curves (a Gloo reference need not compile):
 Inductor may fuse and reorder fp32 arithmetic, so 1e-4 relative. On CPU, compiling needs a
-C++ compiler; this model takes Inductor about 20-40 s per rank on a 2-core machine (the
-first time; later runs hit its cache).
+C++ compiler. With an empty Inductor cache the 2-rank run of tp_compiled alone took 93 s of
+wall time on a 2-core machine that other jobs loaded (about 12 runnable processes):
+  TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python examples/dtensor_tp.py --nproc 2 --variants tp_compiled
+later runs hit the cache. CHORUS_EXAMPLE_COMPILE_BACKEND=aot_eager skips the code generation.
 """
 import os
 import sys
