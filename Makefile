@@ -2,7 +2,8 @@
 # site-packages), installs the pinned torch and the test tools only if missing, builds and
 # installs Chorus only when its sources changed, then runs.
 #   make demo    4-rank DDP training with chorus, then gloo; compares them
-#   make test    C unit tests, then the whole pytest suite (installs matplotlib if missing)
+#   make test    C unit tests, then the whole pytest suite (installs matplotlib and DeepSpeed
+#                if missing)
 #   make ctest   C unit tests only
 #   make fuzz    libFuzzer targets (tests/fuzz: wire headers, parameters, bootstrap), FUZZ_SECONDS
 #                (60) each; needs clang
@@ -47,8 +48,21 @@ $(DEPS_STAMP): $(PY)
 
 # matplotlib only if missing. It does not depend on torch, so this never installs a torch:
 # the pinned one above stays the only torch install step.
+# DeepSpeed (tests/test_examples.py runs examples/deepspeed_zero.py): pinned, --no-deps, so
+# that it cannot pull another torch; its pure-Python requirements (its Requires-Dist, less
+# torch) pinned one by one, each only if missing. No DeepSpeed op is compiled (DS_BUILD_OPS
+# unset): the example uses torch's Adam.
+DS_DEPS := hjson==3.1.0 msgpack==1.2.4 ninja==1.13.2 einops==0.8.2 psutil==7.2.2 tqdm==4.70.1 \
+           py-cpuinfo==9.0.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 \
+           typing-inspection==0.4.2 typing-extensions==4.15.0 packaging==26.2
 $(TEST_DEPS_STAMP): $(DEPS_STAMP) Makefile
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install matplotlib
+	for spec in $(DS_DEPS); do \
+	  mod=$$(echo $${spec%%==*} | tr - _ | sed 's/^py_cpuinfo$$/cpuinfo/'); \
+	  $(PY) -c "import $$mod" 2>/dev/null || $(PIP) install --no-deps "$$spec" || exit 1; \
+	done
+	$(PY) -c "import deepspeed" 2>/dev/null || \
+	  $(PIP) install --no-deps --no-build-isolation "deepspeed==0.19.8"
 	touch $@
 
 deps: $(DEPS_STAMP) $(TEST_DEPS_STAMP)

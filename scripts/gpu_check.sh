@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # gpu_check.sh - one device call: builds Chorus from source with CUDA, runs the GPU tests
 # (kernels, every collective with 2-4 ranks sharing the GPU, stream semantics) and the GPU
-# benchmark (4 ranks on one GPU; 1 rank against NCCL, which refuses two ranks per GPU).
+# benchmark (4 ranks on one GPU; 1 rank against NCCL, which refuses two ranks per GPU) and
+# the examples (examples/*.py on CUDA against NCCL on 2+ GPUs, else against Gloo on the CPU).
 # Logs go to $OUT when it is set (the device tool), else to ./gpu-check-logs.
-#   usage: bash scripts/gpu_check.sh [tests|bench|all]   (default all)
+#   usage: bash scripts/gpu_check.sh [tests|bench|examples|all]   (default all)
+# DeepSpeed is not in the GPU image: scripts/gpu_wheels.sh fills .whl/ here; carry .whl.
 #   PYTEST_K (a pytest -k expression) narrows the tests; BENCH_OPS the benchmarked ops.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,5 +44,28 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
       -w 5 --json "$LOG/bench1_$op.json" >>"$LOG/bench.log" 2>&1 || status=1
   done
   tail -40 "$LOG/bench.log"
+fi
+if [ "$what" = all ] || [ "$what" = examples ]; then
+  echo "== examples"
+  if ! $PY -c "import deepspeed" 2>/dev/null && ls .whl/deepspeed-*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile .whl/*.whl >>"$LOG/examples.log" 2>&1
+  fi
+  ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+  # The reference: NCCL with one rank per GPU where two GPUs exist, else Gloo on the CPU.
+  if [ "$ngpu" -ge 2 ]; then ref="--compare nccl --ref-device cuda"; else ref="--compare gloo --ref-device cpu"; fi
+  for ex in ddp_train fsdp_train pipeline_p2p dtensor_tp deepspeed_zero; do
+    n=2
+    if [ $ex = pipeline_p2p ]; then n=3; [ "$ngpu" -ge 2 ] && n=$(( ngpu < 3 ? ngpu : 3 )); fi
+    if [ $ex = deepspeed_zero ] && ! $PY -c "import deepspeed" 2>/dev/null; then
+      echo "deepspeed_zero: NOT RUN (deepspeed missing; run scripts/gpu_wheels.sh and carry .whl)"
+      status=1; continue
+    fi
+    if $PY examples/$ex.py --nproc $n --device cuda $ref --out "$LOG/ex_$ex.json" \
+        >"$LOG/ex_$ex.log" 2>&1; then
+      grep -E "match|MISMATCH" "$LOG/ex_$ex.log" | tail -3
+    else
+      echo "$ex: FAILED"; grep -E "MISMATCH|Error|error" "$LOG/ex_$ex.log" | tail -8; status=1
+    fi
+  done
 fi
 exit $status

@@ -371,13 +371,25 @@ chorus_result_t bridgeGet(void* ctx, const char* key, void* buf, size_t cap, siz
 // ==================================================================== Completer
 
 Completer::Completer() {
-  thread_ = std::thread([this] { run(); });
-  pthread_setname_np(thread_.native_handle(), "chorus-complete");
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!spawnLocked()) throwBackend("chorus: cannot start the completion thread");
 }
 
 Completer::~Completer() {
   shutdown();
-  if (thread_.joinable()) thread_.detach();  // destroyed on its own thread
+  for (auto& t : threads_) {
+    if (t.joinable()) t.detach();  // destroyed on one of its own threads
+  }
+}
+
+bool Completer::spawnLocked() noexcept {
+  try {
+    threads_.emplace_back([this] { run(); });
+    pthread_setname_np(threads_.back().native_handle(), "chorus-complete");
+    return true;
+  } catch (...) {
+    return false;  // the threads there are go on; only a blocking callback could stall them
+  }
 }
 
 void Completer::push(WorkChorus* w, bool notify) noexcept {
@@ -415,10 +427,14 @@ void Completer::run() {
     WorkChorus* w = nullptr;
     {
       std::unique_lock<std::mutex> lk(mu_);
+      ++idle_;
       cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+      --idle_;
       if (queue_.empty()) return;
       w = queue_.front();
       queue_.pop_front();
+      // This work's future callbacks may block on a later work: keep a thread free for it.
+      if (idle_ == 0 && !stop_) spawnLocked();
     }
     // A future callback may drop the last reference to the process group, and with it to
     // this Completer: keep it alive until this loop is done touching it.
@@ -435,19 +451,24 @@ void Completer::run() {
 }
 
 void Completer::shutdown() {
+  std::vector<std::thread> threads;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (stop_) return;
-    stop_ = true;
+    stop_ = true;  // no thread is started from now on
     cv_.notify_all();
+    threads.swap(threads_);
   }
-  if (!thread_.joinable()) return;
-  if (thread_.get_id() == std::this_thread::get_id()) {
-    // The last reference to the process group died in a future callback on this thread.
-    thread_.detach();
-  } else {
+  {
     GilRelease nogil;
-    thread_.join();
+    for (auto& t : threads) {
+      if (t.get_id() == std::this_thread::get_id()) {
+        // The last reference to the process group died in a future callback on this thread.
+        t.detach();
+      } else if (t.joinable()) {
+        t.join();
+      }
+    }
   }
   std::lock_guard<std::mutex> lk(mu_);
   joined_ = true;

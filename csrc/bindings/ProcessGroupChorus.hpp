@@ -25,9 +25,12 @@ namespace chorus_torch {
 
 class WorkChorus;
 
-// Completes works on a thread of its own: the core's completion callbacks run on the core's
+// Completes works on threads of its own: the core's completion callbacks run on the core's
 // thread, where no copy-back, future callback or Python may run (a DDP comm hook chained with
-// .then() may even issue the next collective from there).
+// .then() may even issue the next collective from there). A future callback may also block
+// until another work of the group is done (PowerSGD's hook waits on the future of the
+// all_reduce it issued): so one thread is always kept free, and one more is started when the
+// last free one takes a work.
 class Completer {
  public:
   Completer();
@@ -41,18 +44,21 @@ class Completer {
   void push(WorkChorus* w, bool notify) noexcept;
   // Removes w from the queue if it is there; true if so (the caller then owns the reference).
   bool take(WorkChorus* w) noexcept;
-  // Drains the queue and joins the thread (detaches when called from the thread itself).
+  // Drains the queue and joins the threads (detaches the calling thread if it is one).
   void shutdown();
 
  private:
   void run();
+  // Starts one more thread; mu_ held. False if none could be started.
+  bool spawnLocked() noexcept;
 
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<WorkChorus*> queue_;
   bool stop_ = false;
   bool joined_ = false;
-  std::thread thread_;
+  int idle_ = 0;  // threads waiting for a work
+  std::vector<std::thread> threads_;
 };
 
 // One torch-level operation: the core requests it issued (or, for endCoalescing, the child

@@ -221,6 +221,54 @@ def fam_async_future(ctx):
                 ctx.check(dict(coll=name, dtype=dname, size=n, api="Work.get_future"), check)
 
 
+CALLBACK_WAIT_S = 20.0
+
+
+def fam_future_callback_waits(ctx):
+    """A then() callback that issues another collective and blocks on its future, as
+    PowerSGD's DDP hook does. The callback runs on the thread that completes futures, so the
+    backend must complete the inner future elsewhere. A deadlock is reported (after
+    CALLBACK_WAIT_S) and then broken by waiting on the inner Work from this thread, so the
+    job goes on."""
+    w, r = ctx.world, ctx.rank
+    dt = torch.float32
+    for n in (7, 4099):
+        def run(n=n):
+            outer = [make_data(("cb_wait", "outer", n), q, n, dt) for q in range(w)]
+            inner = [make_data(("cb_wait", "inner", n), q, n, dt) for q in range(w)]
+            e_outer, tol = reference_reduce(outer, dt, "SUM")
+            e_inner, _ = reference_reduce(inner, dt, "SUM")
+            state = {}
+
+            def callback(fut):
+                t = inner[r].clone()
+                state["work"] = dist.all_reduce(t, async_op=True, group=ctx.group)
+                got = _flat(state["work"].get_future().wait())
+                return [_flat(fut.value())[0].clone(), got[0].clone()]
+
+            t = outer[r].clone()
+            if r > 0:
+                # Rank 0's callback is then attached before its all_reduce completes, so it
+                # runs on the completing thread rather than inline in then().
+                time.sleep(0.3)
+            chained = dist.all_reduce(t, async_op=True, group=ctx.group).get_future().then(
+                callback)
+            deadline = time.monotonic() + CALLBACK_WAIT_S
+            while not chained.done() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            if not chained.done():
+                if "work" in state:
+                    state["work"].wait()  # completes the inner future: the callback returns
+                chained.wait()
+                return (f"a then() callback blocked on another all_reduce's future had not "
+                        f"returned after {CALLBACK_WAIT_S:.0f} s (deadlock)")
+            got = _flat(chained.wait())
+            return compare_list(got, [e_outer, e_inner], tol, label="outer/inner all_reduce")
+
+        ctx.check(dict(coll="all_reduce", dtype="float32", size=n,
+                       api="then() callback waits on a Future"), run)
+
+
 def _flat(value):
     # all_gather's future holds [[t0, t1, ...]]: one list per input tensor.
     out = []
@@ -380,6 +428,7 @@ FAMILIES = [
     ("batch_isend_irecv", fam_batch_isend_irecv, 2),
     ("async_wait", fam_async_wait, 1),
     ("async_future", fam_async_future, 1),
+    ("future_callback_waits", fam_future_callback_waits, 1),
     ("new_group", fam_new_group, 2),
     ("sequence_numbers", fam_sequence_numbers, 1),
 ]
