@@ -30,13 +30,18 @@ def wait_for_port(path, timeout, nth):
     return None
 
 
-def junk_client(port, nbytes):
-    """Connects to 127.0.0.1:port, sends nbytes of random data, and returns how the server
-    ended the connection: 'closed' (EOF or reset) or 'open' (nothing within 10 s)."""
+def junk_connect(port, nbytes):
+    """Connects to 127.0.0.1:port and sends nbytes of random data; returns the socket."""
     s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.sendall(os.urandom(nbytes))
+    return s
+
+
+def junk_outcome(s, timeout):
+    """How the server ended a junk connection: 'closed' (EOF or reset) or 'open' (nothing
+    within timeout seconds)."""
     try:
-        s.sendall(os.urandom(nbytes))
-        s.settimeout(10)
+        s.settimeout(timeout)
         try:
             data = s.recv(4096)
             return "closed" if data == b"" else f"answered {data[:16]!r}"
@@ -50,14 +55,21 @@ def junk_client(port, nbytes):
 
 @pytest.mark.skipif(backend_under_test() != "chorus", reason="chorus's socket transport")
 def test_raw_tcp_client_is_rejected_and_job_is_undisturbed():
+    # Rank 0 listens from the group's creation but accepts only once every rank's address
+    # is known, i.e. after the last rank's delay. Both strangers therefore connect and send
+    # during the delay, so they queue ahead of the peers and are accepted (and rejected)
+    # before rank 0 has all its peers and closes the listener; connecting one after the
+    # other's rejection raced with that close (a reset without a log line, or "Connection
+    # refused" in CI).
     env = {"CHORUS_SHM_DISABLE": "1", "CHORUS_DEBUG": "INFO", "CHORUS_DEBUG_SUBSYS": "NET",
-           "STRANGER_DELAY_S": "4"}
+           "STRANGER_DELAY_S": "6"}
     job = Job("stranger", WORKER, 4, env=env)
     try:
         # the second group's port: rank 0 listens there while the last rank sleeps
         port = wait_for_port(os.path.join(job.workdir, "stranger.rank0.log"), 60, nth=2)
         assert port, "rank 0 never logged its listening port"
-        outcomes = [junk_client(port, 4096), junk_client(port, 64)]
+        strangers = [junk_connect(port, 4096), junk_connect(port, 64)]
+        outcomes = [junk_outcome(c, 60) for c in strangers]
     finally:
         res = job.wait(180)
     assert res.ok, res.describe()
