@@ -16,24 +16,12 @@
 #include <unistd.h>
 
 #include "chorus.h"
+#include "free_port.h"
 
 static double now(void) {
   struct timespec t;
   clock_gettime(CLOCK_MONOTONIC, &t);
   return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-static int free_port(void) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in a = {0};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, (struct sockaddr *)&a, sizeof a);
-  socklen_t l = sizeof a;
-  getsockname(fd, (struct sockaddr *)&a, &l);
-  int port = ntohs(a.sin_port);
-  close(fd);
-  return port;
 }
 
 static int run(chorus_comm_t *c, float *in, float *out, size_t count) {

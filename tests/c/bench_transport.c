@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "core.h"
+#include "free_port.h"
 
 #define REPS 5
 #define PINGS 2000            /* round trips per latency run */
@@ -37,19 +38,6 @@ static int cmp_double(const void *a, const void *b) {
 static double median(double *v, int n) {
   qsort(v, (size_t)n, sizeof *v, cmp_double);
   return v[n / 2];
-}
-
-static int free_port(void) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in a = {0};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, (struct sockaddr *)&a, sizeof a);
-  socklen_t l = sizeof a;
-  getsockname(fd, (struct sockaddr *)&a, &l);
-  int port = ntohs(a.sin_port);
-  close(fd);
-  return port;
 }
 
 static int wait_free(chorus_request_t *r) {

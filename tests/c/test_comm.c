@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "chorus.h"
+#include "free_port.h"
 
 static int failures;
 #define EXPECT(cond, ...)                                         \
@@ -35,19 +36,6 @@ static int failures;
   } while (0)
 
 static int g_rank;
-
-static int free_port(void) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in a = {0};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, (struct sockaddr *)&a, sizeof a);
-  socklen_t l = sizeof a;
-  getsockname(fd, (struct sockaddr *)&a, &l);
-  int port = ntohs(a.sin_port);
-  close(fd);
-  return port;
-}
 
 static chorus_result_t run_req(chorus_request_t *req) {
   chorus_result_t r = chorus_wait(req, -1);

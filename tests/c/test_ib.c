@@ -19,6 +19,7 @@
 #include "chorus.h"
 #include "core.h"
 #include "expect.h"
+#include "free_port.h"
 #include "transport/ib_gdr.h"
 #include "transport/ib_verbs.h"
 
@@ -198,18 +199,6 @@ static void test_abi(void) {
 }
 
 /* ------------------------------------------------------------ end to end */
-static int free_port(void) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in a = {0};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof a) != 0) return 0;
-  socklen_t l = sizeof a;
-  if (getsockname(fd, (struct sockaddr *)&a, &l) != 0) return 0;
-  close(fd);
-  return ntohs(a.sin_port);
-}
-
 static chorus_result_t run_req(chorus_request_t *req, char *err, size_t cap) {
   chorus_result_t r = chorus_wait(req, -1);
   if (err) snprintf(err, cap, "%s", chorus_request_error(req));

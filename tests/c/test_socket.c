@@ -18,6 +18,7 @@
 
 #include "core.h"
 #include "transport/socket_ifname.h"
+#include "free_port.h"
 
 /* Weak stand-ins so this test links before (or without) log.c and param.c; the real
  * definitions win when linked. */
@@ -410,21 +411,6 @@ static void rank_main(int rank, int port) {
   int fd = raw_connect(port); /* the server is gone after release */
   T(fd < 0);
   if (fd >= 0) close(fd);
-}
-
-static int free_port(void) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in a = {0};
-  socklen_t l = sizeof a;
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof a) != 0 ||
-      getsockname(fd, (struct sockaddr *)&a, &l) != 0) {
-    if (fd >= 0) close(fd);
-    return -1;
-  }
-  close(fd);
-  return ntohs(a.sin_port);
 }
 
 static void test_bootstrap_multi(void) {

@@ -18,19 +18,7 @@
 
 #include "chorus.h"
 #include "expect.h"
-
-static int free_port(void) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in a = {0};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, (struct sockaddr *)&a, sizeof a);
-  socklen_t l = sizeof a;
-  getsockname(fd, (struct sockaddr *)&a, &l);
-  int port = ntohs(a.sin_port);
-  close(fd);
-  return port;
-}
+#include "free_port.h"
 
 static char *slurp(const char *path) {
   FILE *f = fopen(path, "r");
