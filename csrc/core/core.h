@@ -83,10 +83,14 @@ int chorus_log_enabled(int level, int subsys);
   X(CUDA_IPC, "CUDA_IPC", "bool", "1", 0,                                                     \
     "0: device collectives never map peers' memory; they are staged through pinned host "     \
     "memory and the host algorithms (the path used between hosts).")                         \
+  X(CUDA_HOST_MAX, "CUDA_HOST_MAX", "size", "64K", 0,                                       \
+    "Device collectives whose buffers are at most this many bytes per rank go through "      \
+    "pinned host memory and the host algorithms even where CUDA IPC maps peers (two copies "   \
+    "beat several device synchronisations for small messages).")                             \
   X(CUDA_STREAM_WAIT, "CUDA_STREAM_WAIT", "bool", "0", 0,                                     \
     "1: Work.wait() of a CUDA operation makes the caller's current stream wait and the host "  \
-    "goes on (ProcessGroupNCCL's semantics; not yet validated on a GPU); 0: the host waits "   \
-    "until the operation is done.")                                                          \
+    "goes on (ProcessGroupNCCL's semantics; experimental: it can hang with ranks sharing a "   \
+    "GPU, docs/design.md); 0: the host waits until the operation is done.")                  \
   X(SOCKET_SNDBUF, "SOCKET_SNDBUF", "size", "0", 0,                                          \
     "SO_SNDBUF/SO_RCVBUF for data sockets; 0 leaves the kernel's autotuning.")              \
   X(ALGO, "ALGO", "string", "", 1,                                                            \
@@ -495,6 +499,7 @@ chorus_result_t engine_submit(struct chorus_comm *comm, struct op *op, chorus_re
 /* One turn of waiting inside an operation: progresses every connection and pending p2p
  * op, sleeps when nothing moves, checks deadline / abort / failure. Returns an error if
  * the current op must stop. */
+chorus_result_t engine_poll_device(struct chorus_comm *comm, struct op *op, int *idle_iters);
 chorus_result_t engine_poll(struct chorus_comm *comm, struct op *op, int *idle_iters);
 void engine_wake(struct chorus_comm *comm);
 

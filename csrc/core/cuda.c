@@ -157,7 +157,15 @@ struct cuda_state {
   void *big;             /* pageable staging for what does not fit in `pinned` */
   size_t big_cap;
   _Atomic int ready;     /* setup done: no call from now on synchronises the device */
+  /* where the time of device collectives goes, per size class (bytes <= 4K, 64K, 1M, more),
+   * logged at teardown (INFO) */
+  uint64_t n_staged[4], ns_in[4], ns_host[4], ns_out[4]; /* to the host, host algo, back */
+  uint64_t n_ipc[4], ns_ipc[4];
 };
+
+static int size_class(size_t bytes) {
+  return bytes <= 4096 ? 0 : bytes <= 65536 ? 1 : bytes <= (1 << 20) ? 2 : 3;
+}
 
 int chorus_cuda_built(void) { return 1; }
 
@@ -384,7 +392,7 @@ static chorus_result_t drain_stream(struct chorus_comm *comm, struct op *op, cud
     cudaError_t e = cudaStreamQuery(s);
     if (e == cudaSuccess) return CHORUS_SUCCESS;
     if (e != cudaErrorNotReady) return cuda_fail(comm, op, e, "device work");
-    CHECK(engine_poll(comm, op, &idle));
+    CHECK(engine_poll_device(comm, op, &idle));
   }
 }
 
@@ -500,6 +508,23 @@ static void extents(const struct chorus_comm *comm, const struct op *op, size_t 
   *rbytes = op->recvbuf ? r * es : 0;
 }
 
+/* The size of a collective as every rank sees it (the path chosen from it must be the same
+ * on every rank): the whole buffer for the rooted and reducing kinds, everything gathered for
+ * all_gather, every block for a (uniform) alltoall. */
+static size_t coll_bytes(const struct chorus_comm *comm, const struct op *op) {
+  const size_t es = dtype_size(op->dtype), n = (size_t)comm->nranks;
+  size_t c = op->count;
+  if (op->kind == OP_ALLGATHER) {
+    c = 0;
+    for (size_t p = 0; p < n; p++) c += op->counts[p];
+  } else if (op->kind == OP_ALLTOALL) {
+    c = op->counts[0] * n;
+  } else if (op->kind == OP_GATHER || op->kind == OP_SCATTER) {
+    c = op->count * n;
+  }
+  return c * es;
+}
+
 static int inside(const void *p, const void *base, size_t len) {
   return p && base && (const uint8_t *)p >= (const uint8_t *)base &&
          (const uint8_t *)p < (const uint8_t *)base + len;
@@ -553,10 +578,12 @@ static chorus_result_t staged(struct chorus_comm *comm, struct cuda_state *st, s
   }
   if (op->kind == OP_BROADCAST) hsend = hrecv;
   const int has_input = sbytes && (op->kind != OP_BROADCAST || comm->rank == op->root);
+  const int64_t t0 = now_ns();
   if (has_input)
     CU(comm, op, cudaMemcpyAsync(hsend, op->sendbuf, sbytes, cudaMemcpyDeviceToHost,
                                  st->stream), "cudaMemcpyAsync from the device");
   CHECK(drain_stream(comm, op, st->stream));
+  const int64_t t1 = now_ns();
   const void *dsend = op->sendbuf;
   void *drecv = op->recvbuf;
   op->sendbuf = op->sendbuf ? hsend : NULL;
@@ -567,8 +594,15 @@ static chorus_result_t staged(struct chorus_comm *comm, struct cuda_state *st, s
   op->sendbuf = dsend;
   op->recvbuf = drecv;
   CHECK(res);
+  const int64_t t2 = now_ns();
   if (rbytes) CHECK(copy_back(comm, st, op, hrecv, rbytes));
-  return drain_stream(comm, op, st->stream);
+  CHECK(drain_stream(comm, op, st->stream));
+  const int c = size_class(coll_bytes(comm, op));
+  st->n_staged[c]++;
+  st->ns_in[c] += (uint64_t)(t1 - t0);
+  st->ns_host[c] += (uint64_t)(t2 - t1);
+  st->ns_out[c] += (uint64_t)(now_ns() - t2);
+  return CHORUS_SUCCESS;
 }
 
 /* ------------------------------------------------------------------ collectives */
@@ -580,7 +614,7 @@ chorus_result_t cuda_run(struct chorus_comm *comm, struct op *op) {
        "cudaStreamWaitEvent on the caller's event");
   chorus_result_t (*fn)(struct chorus_comm *, struct op *) = NULL;
   int id = ALGO_ONESHOT;
-  if (st->ipc_ok) {
+  if (st->ipc_ok && coll_bytes(comm, op) > (size_t)param_int(PARAM_CUDA_HOST_MAX)) {
     switch (op->kind) {
       case OP_ALLREDUCE:
         if (op->count * dtype_size(op->dtype) > CUDA_ONESHOT_MAX) id = ALGO_TWOSHOT;
@@ -605,8 +639,13 @@ chorus_result_t cuda_run(struct chorus_comm *comm, struct op *op) {
   trace_op_algo(comm, op);
   TRACE(SUB_COLL, comm->rank, "cuda: %s seq %llu %s over CUDA IPC", op_kind_name(op->kind),
         (unsigned long long)op->seq, algo_name(id));
+  const int64_t t0 = now_ns();
   CHECK(fn(comm, op));
-  return drain_stream(comm, op, st->stream);
+  CHECK(drain_stream(comm, op, st->stream));
+  const int c = size_class(coll_bytes(comm, op));
+  st->n_ipc[c]++;
+  st->ns_ipc[c] += (uint64_t)(now_ns() - t0);
+  return CHORUS_SUCCESS;
 }
 
 /* ------------------------------------------------------------------ point-to-point */
@@ -674,6 +713,17 @@ void cuda_p2p_release(struct chorus_comm *comm, struct op *op) {
 void cuda_teardown(struct chorus_comm *comm) {
   struct cuda_state *st = comm->cuda;
   if (!st) return;
+  static const char *const cls[4] = {"<= 4K", "<= 64K", "<= 1M", "> 1M"};
+  for (int c = 0; c < 4; c++) {
+    const double ns = st->n_staged[c] ? (double)st->n_staged[c] : 1.0;
+    const double ni = st->n_ipc[c] ? (double)st->n_ipc[c] : 1.0;
+    if (st->n_staged[c] || st->n_ipc[c])
+      INFO(SUB_COLL, comm->rank, "cuda: %llu collectives of %s bytes staged (mean us: %.1f to "
+           "the host, %.1f host algorithm, %.1f back), %llu over CUDA IPC (mean %.1f us)",
+           (unsigned long long)st->n_staged[c], cls[c], st->ns_in[c] / 1e3 / ns,
+           st->ns_host[c] / 1e3 / ns, st->ns_out[c] / 1e3 / ns,
+           (unsigned long long)st->n_ipc[c], st->ns_ipc[c] / 1e3 / ni);
+  }
   cudaSetDevice(st->device);
   if (st->ipc_ok && comm->shm) {
     /* peers may still read this rank's scratch for the last chunks: wait (bounded, a peer

@@ -452,6 +452,45 @@ static void describe_awaited(struct chorus_comm *comm, const struct op *op, char
              op_kind_name(op->kind), seq);
 }
 
+/* Fails the op (or the oldest point-to-point op) whose deadline has passed. */
+static chorus_result_t check_deadline(struct chorus_comm *comm, struct op *op) {
+  int64_t now = now_ns();
+  struct op *late = op;
+  int64_t dl = op ? op->deadline_ns : 0;
+  struct op *p2p_late = NULL;
+  int64_t pdl = p2p_deadline(comm, &p2p_late);
+  if (pdl && (!dl || pdl < dl)) {
+    dl = pdl;
+    late = p2p_late;
+  }
+  if (dl && now > dl) {
+    char d[200], who[300];
+    op_describe(late, d, sizeof d);
+    describe_awaited(comm, late, who, sizeof who);
+    return comm_set_error(comm, CHORUS_ERR_TIMEOUT,
+                          "%s timed out on rank %d after %d ms waiting for %s", d, comm->rank,
+                          comm->timeout_ms, who);
+  }
+  return CHORUS_SUCCESS;
+}
+
+/* While the GPU works for op: a device completion rings no doorbell, so this never sleeps
+ * (engine_poll's futex sleeps would add up to milliseconds per copy); it spins, then
+ * yields the core, and checks the deadline every few hundred calls. */
+chorus_result_t engine_poll_device(struct chorus_comm *comm, struct op *op, int *idle_iters) {
+  int progressed = 0;
+  if (atomic_load(&comm->failed)) return failed_result(comm);
+  CHECK(progress_conns(comm, &progressed));
+  CHECK(p2p_progress(comm, &progressed));
+  int n = ++*idle_iters;
+  if (n >= 1 << 30) *idle_iters = 1;
+  if (progressed) *idle_iters = 0;
+  else if (n < comm->spin || n < 32) cpu_relax();
+  else sched_yield();
+  if ((n & 255) == 0) CHECK(check_deadline(comm, op));
+  return CHORUS_SUCCESS;
+}
+
 chorus_result_t engine_poll(struct chorus_comm *comm, struct op *op, int *idle_iters) {
   int progressed = 0;
   if (atomic_load(&comm->failed)) return failed_result(comm);
@@ -469,23 +508,7 @@ chorus_result_t engine_poll(struct chorus_comm *comm, struct op *op, int *idle_i
   } else if (n < spin + (spin ? 64 : 2)) {
     sched_yield();
   } else {
-    int64_t now = now_ns();
-    struct op *late = op;
-    int64_t dl = op ? op->deadline_ns : 0;
-    struct op *p2p_late = NULL;
-    int64_t pdl = p2p_deadline(comm, &p2p_late);
-    if (pdl && (!dl || pdl < dl)) {
-      dl = pdl;
-      late = p2p_late;
-    }
-    if (dl && now > dl) {
-      char d[200], who[300];
-      op_describe(late, d, sizeof d);
-      describe_awaited(comm, late, who, sizeof who);
-      return comm_set_error(comm, CHORUS_ERR_TIMEOUT,
-                            "%s timed out on rank %d after %d ms waiting for %s", d, comm->rank,
-                            comm->timeout_ms, who);
-    }
+    CHECK(check_deadline(comm, op));
     /* sleep longer the longer we have been idle, but stay responsive */
     int us = n < spin + 200 ? 50 : 2000;
     engine_block(comm, comm->db_seen, us);
