@@ -4,6 +4,7 @@
 // first use, so the extension needs no link against libcuda.
 #include "cuda_support.hpp"
 
+#include <atomic>
 #include <cstring>
 #include <mutex>
 
@@ -44,11 +45,16 @@ void check(cudaError_t e, const char* what) {
 using WaitValue64 = int (*)(cudaStream_t, unsigned long long, unsigned long long, unsigned);
 constexpr unsigned kWaitGeq = 0;  // CU_STREAM_WAIT_VALUE_GEQ
 constexpr int kSlots = 4096;
+// Device works a caller may have in flight behind stream waits before wait() waits on the
+// host instead. Unbounded, a caller that never blocks fills its stream's command queue, and
+// the driver then blocks the caller's thread inside a CUDA call until the GPU drains it.
+constexpr int kMaxAhead = 128;
 
 struct Slots {
-  std::mutex mu;
+  std::mutex mu;  // free_list, next_token, init
   bool tried = false;
-  bool usable = false;
+  std::atomic<bool> usable{false};
+  std::atomic<int> in_use{0};
   volatile uint64_t* words = nullptr;  // host view
   unsigned long long dev_base = 0;     // device view of words[0]
   WaitValue64 wait = nullptr;
@@ -115,32 +121,38 @@ bool allocSlot(DoneSlot* slot) {
   Slots& s = slots();
   std::lock_guard<std::mutex> lk(s.mu);
   if (!s.tried) s.init();
-  if (!s.usable || s.free_list.empty()) return false;
-  slot->index = s.free_list.back();
+  if (!s.usable.load() || s.free_list.empty()) return false;
+  __atomic_store_n(&slot->index, s.free_list.back(), __ATOMIC_RELEASE);
   s.free_list.pop_back();
   slot->token = s.next_token++;
+  s.in_use.fetch_add(1);
   return true;
 }
 
 void completeSlot(DoneSlot* slot) {
-  if (slot->index < 0) return;
+  const int index = __atomic_load_n(&slot->index, __ATOMIC_ACQUIRE);
+  if (index < 0) return;
   Slots& s = slots();
   std::lock_guard<std::mutex> lk(s.mu);
-  __atomic_store_n(const_cast<uint64_t*>(&s.words[slot->index]), slot->token, __ATOMIC_RELEASE);
-  s.free_list.push_back(slot->index);
-  slot->index = -1;
+  __atomic_store_n(const_cast<uint64_t*>(&s.words[index]), slot->token, __ATOMIC_RELEASE);
+  s.free_list.push_back(index);
+  __atomic_store_n(&slot->index, -1, __ATOMIC_RELEASE);
+  s.in_use.fetch_sub(1);
 }
 
 bool streamWait(int device, const DoneSlot& slot) {
   if (slot.token == 0) return false;  // no word was free for this work
   Slots& s = slots();
-  // Under the lock: completeSlot may be handing the word back right now.
-  std::lock_guard<std::mutex> lk(s.mu);
-  if (slot.index < 0) return true;  // already complete: nothing to wait for
-  if (!s.usable) return false;
+  // No lock: the driver call below may block (a full command queue) until the GPU moves on,
+  // which may need completeSlot. Racing with completeSlot is harmless: once the word was
+  // handed back, it only ever holds this token or later (larger) ones, so the condition
+  // (word >= token) holds for good.
+  const int index = __atomic_load_n(&slot.index, __ATOMIC_ACQUIRE);
+  if (index < 0) return true;  // already complete: nothing to wait for
+  if (!s.usable.load() || s.in_use.load() > kMaxAhead) return false;
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-  const unsigned long long addr = s.dev_base + static_cast<unsigned long long>(slot.index) * 8;
+  const unsigned long long addr = s.dev_base + static_cast<unsigned long long>(index) * 8;
   if (s.wait(stream, addr, slot.token, kWaitGeq) != 0) {
     s.usable = false;  // e.g. stream memory operations disabled by the driver: wait on host
     return false;
