@@ -4,9 +4,10 @@
 # benchmark (4 ranks on one GPU; 1 rank against NCCL, which refuses two ranks per GPU) and
 # the examples (examples/*.py on CUDA against NCCL on 2+ GPUs, else against Gloo on the CPU).
 # Logs go to $OUT when it is set (the device tool), else to ./gpu-check-logs.
-#   usage: bash scripts/gpu_check.sh [tests|bench|examples|all]   (default all)
+#   usage: bash scripts/gpu_check.sh [tests|bench|examples|perf|all]   (default all)
 # DeepSpeed is not in the GPU image: scripts/gpu_wheels.sh fills .whl/ here; carry .whl.
-#   PYTEST_K (a pytest -k expression) narrows the tests; BENCH_OPS the benchmarked ops.
+#   PYTEST_K (a pytest -k expression) narrows the tests; BENCH_OPS the benchmarked ops;
+#   SKIP_BUILD=1 uses the build a previous step of the same call installed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -17,6 +18,7 @@ export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 PY=${PYTHON:-python3}
 status=0
 
+if [ -n "${SKIP_BUILD:-}" ]; then echo "== build skipped (SKIP_BUILD)"; else
 echo "== build" | tee "$LOG/build.log"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >>"$LOG/build.log" 2>&1
 $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' \
@@ -26,6 +28,7 @@ if ! FORCE_CUDA=1 $PY -m pip install -q --no-build-isolation --no-deps . >>"$LOG
 fi
 $PY -c 'import chorus, chorus._C as c; print("chorus", chorus.__version__, "cuda built:", c.cuda_built())' \
   2>&1 | tee -a "$LOG/build.log"
+fi
 
 if [ "$what" = all ] || [ "$what" = tests ]; then
   echo "== tests"
@@ -33,6 +36,25 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   (cd tests && CHORUS_TEST_LOGS="$LOG/jobs" $PY -m pytest -q test_cuda.py -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1) | tee "$LOG/tests.log" \
     | tail -30
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if [ "$what" = perf ]; then
+  # Variants of the latency (2 ranks) and bandwidth (4 ranks) workers side by side, one line
+  # per measurement in perf.log (PERF_VARIANTS: space-separated env settings, ',' between
+  # variables of one variant).
+  echo "== perf"
+  for v in ${PERF_VARIANTS:-default}; do
+    envs=$(echo "$v" | tr ',' ' '); [ "$v" = default ] && envs=""
+    for job in "2 latency --loop 2000" "4 bandwidth --iters 5"; do
+      set -- $job
+      echo "-- $v: $*" >>"$LOG/perf.log"
+      env CHORUS_DEBUG=INFO CHORUS_DEBUG_SUBSYS=COLL $envs timeout 120 $PY -m torch.distributed.run \
+        --nproc-per-node $1 --master-port 29533 tests/workers/cuda_perf.py $2 $3 $4 2>&1 \
+        | grep -E "RESULT|Error|error|Traceback|cuda: [0-9]+ collectives" \
+        | sed "s/^/$v $1 /" >>"$LOG/perf.log"
+    done
+  done
+  cat "$LOG/perf.log"
 fi
 
 if [ "$what" = all ] || [ "$what" = bench ]; then

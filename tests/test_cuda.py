@@ -45,8 +45,7 @@ def test_cuda_kernels_match_cpu():
 # (world, mode, quick): mode ipc maps peers' memory, staged goes through host memory and the
 # host algorithms, socket stages over TCP (the path between hosts).
 CASES = [(2, "ipc", False), (3, "ipc", True), (4, "ipc", False), (2, "staged", True),
-         (4, "staged", True), (3, "socket", True), (2, "ipc-streamwait", True),
-         (3, "staged-streamwait", True)]
+         (4, "staged", True), (3, "socket", True)]
 
 
 @needs_gpu
@@ -58,11 +57,6 @@ def test_cuda_collectives_on_one_gpu(tmp_path, world, mode, quick):
     # stage what does not fit in their 1 MiB pinned buffer through pageable memory.
     env["CHORUS_CUDA_SCRATCH"] = "1M"
     label = f"cuda-{mode}-{world}"
-    if mode.endswith("-streamwait"):
-        # ProcessGroupNCCL's semantics: wait() makes the stream wait, the host goes on (the
-        # worker's stream-order check then also asserts the host was not blocked)
-        env["CHORUS_CUDA_STREAM_WAIT"] = "1"
-        mode = mode[:-len("-streamwait")]
     if mode == "staged":
         env["CHORUS_CUDA_IPC"] = "0"
     elif mode == "socket":
@@ -142,6 +136,25 @@ def test_cuda_allreduce_latency_two_ranks_one_gpu(tmp_path):
     # No stall: the 10,000 ops (each behind a small copy) average under 100 us, so no op
     # can have waited for anything like a timeout or a scheduler tick storm.
     assert loop and loop[0]["correct"] and loop[0]["us_per_op"] <= 100, loop
+
+
+@needs_gpu
+@pytest.mark.skipif(backend_under_test() != "chorus", reason="chorus CUDA path only")
+def test_cuda_host_not_blocked(tmp_path):
+    """2 ranks on one GPU: an all_reduce issued behind ~100 ms of GPU work returns to Python
+    before that work ends (under 50 ms), as its first device collective and later, and the
+    result is right. Needs the stream wait (CHORUS_CUDA_STREAM_WAIT=1), which is not the
+    default yet: docs/design.md says where it stands."""
+    d = kept_dir(tmp_path, "cuda-hostfree-2")
+    res = run_job("cuda-hostfree-2", os.path.join(WORKERS, "cuda_perf.py"), 2,
+                  args=["hostfree"], env={"CHORUS_CUDA_STREAM_WAIT": "1"}, timeout=90,
+                  workdir=d)
+    assert res.ok, res.describe()
+    rows = [r for r in results_of(res, os.path.join(d, "results.jsonl"))
+            if r["test"] == "hostfree"]
+    assert [r["which"] for r in rows] == ["first", "later"], rows
+    bad = [r for r in rows if not r["correct"] or r["host_ms"] > 50]
+    assert not bad, bad
 
 
 @needs_gpu

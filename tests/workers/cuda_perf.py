@@ -1,5 +1,9 @@
 """Rank worker: timings of all_reduce on CUDA tensors, all ranks on one GPU, with CUDA events.
 
+  cuda_perf.py hostfree
+      a synchronous all_reduce behind ~100 ms of GPU work (first and later device op): the
+      time until it returned to Python against the GPU's; the result checked.
+
   cuda_perf.py latency [--iters 1000] [--loop 10000]
       float32 all_reduce of 8 B to 64 KiB: per size, ITERS back-to-back ops between two CUDA
       events on the caller's stream (after warm-up), time per op; then one loop of LOOP
@@ -134,9 +138,30 @@ def bandwidth(rank, world, dev, args):
         size *= 2
 
 
+def hostfree(rank, world, dev, args):
+    """A plain (synchronous) all_reduce issued behind ~100 ms of GPU work: the time until it
+    returns to Python, and whether the result is right once the GPU gets there. First as the
+    group's very first device collective (it also sets up the CUDA state), then again."""
+    for which in ("first", "later"):
+        t = torch.zeros(4099, device=dev)
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.monotonic()
+        torch.cuda._sleep(int(2e8))
+        t.fill_(rank + 1.0)
+        dist.all_reduce(t)
+        t.add_(1)
+        host_ms = (time.monotonic() - t0) * 1e3
+        torch.cuda.synchronize()
+        gpu_ms = (time.monotonic() - t0) * 1e3
+        ok = bool((t == world * (world + 1) / 2 + 1).all())
+        report(rank, test="hostfree", which=which, ranks=world, host_ms=slowest(host_ms),
+               gpu_ms=slowest(gpu_ms), correct=ok)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("latency", "bandwidth"))
+    ap.add_argument("mode", choices=("latency", "bandwidth", "hostfree"))
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--loop", type=int, default=10000)
     ap.add_argument("--max", type=parse_size, default=1 << 30)
@@ -147,7 +172,8 @@ def main():
     local = int(os.environ.get("LOCAL_RANK", rank))
     dev = torch.device("cuda", local % torch.cuda.device_count())
     torch.cuda.set_device(dev)
-    (latency if args.mode == "latency" else bandwidth)(rank, world, dev, args)
+    {"latency": latency, "bandwidth": bandwidth, "hostfree": hostfree}[args.mode](
+        rank, world, dev, args)
     dist.barrier()
     dist.destroy_process_group()
 
