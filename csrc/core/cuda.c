@@ -624,7 +624,11 @@ chorus_result_t cuda_run(struct chorus_comm *comm, struct op *op) {
       case OP_BROADCAST: fn = oneshot_broadcast; break;
       case OP_ALLGATHER: fn = oneshot_allgatherv; break;
       case OP_REDUCE_SCATTER: fn = oneshot_reduce_scatterv; break;
-      case OP_ALLTOALL: fn = oneshot_alltoall; break;
+      /* only an alltoall issued as uniform on every rank: one rank's splits may happen to be
+       * even while another's are not, and both must take the same path */
+      case OP_ALLTOALL:
+        if (op->uniform) fn = oneshot_alltoall;
+        break;
       default: break;
     }
     if (fn && !shm_direct_ok(comm, op, id)) fn = NULL;
