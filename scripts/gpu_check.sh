@@ -4,7 +4,7 @@
 # benchmark (4 ranks on one GPU; 1 rank against NCCL, which refuses two ranks per GPU) and
 # the examples (examples/*.py on CUDA against NCCL on 2+ GPUs, else against Gloo on the CPU).
 # Logs go to $OUT when it is set (the device tool), else to ./gpu-check-logs.
-#   usage: bash scripts/gpu_check.sh [tests|bench|examples|perf|all]   (default all)
+#   usage: bash scripts/gpu_check.sh [tests|bench|examples|perf|hang|all]   (default all)
 # DeepSpeed is not in the GPU image: scripts/gpu_wheels.sh fills .whl/ here; carry .whl.
 #   PYTEST_K (a pytest -k expression) narrows the tests; BENCH_OPS the benchmarked ops;
 #   SKIP_BUILD=1 uses the build a previous step of the same call installed.
@@ -55,6 +55,29 @@ if [ "$what" = perf ]; then
     done
   done
   cat "$LOG/perf.log"
+fi
+
+if [ "$what" = hang ]; then
+  # The stream-wait hang (docs/design.md, CUDA path): 2 ranks, a synchronous all_reduce
+  # behind a long kernel with CHORUS_CUDA_STREAM_WAIT=1. If the ranks still run after
+  # HANG_WAIT seconds, every thread's stack of each rank: Python's (faulthandler, SIGUSR1)
+  # and native ones (cuda-gdb, the image's only debugger), into $LOG/stacks.txt.
+  echo "== hang"
+  CHORUS_CUDA_STREAM_WAIT=1 CHORUS_DEBUG=INFO CHORUS_DEBUG_SUBSYS=ALL $PY -m torch.distributed.run \
+    --nproc-per-node 2 --master-port 29545 tests/workers/cuda_perf.py hostfree \
+    >"$LOG/hang.log" 2>&1 &
+  launcher=$!
+  for _ in $(seq "${HANG_WAIT:-30}"); do kill -0 $launcher 2>/dev/null || break; sleep 1; done
+  if kill -0 $launcher 2>/dev/null; then
+    for pid in $(pgrep -f "cuda_perf.py hostfree" | grep -vx "$launcher"); do
+      kill -USR1 "$pid"; sleep 1
+      echo "==== pid $pid" >>"$LOG/stacks.txt"
+      timeout 120 cuda-gdb -q -p "$pid" -batch -ex "thread apply all bt" >>"$LOG/stacks.txt" 2>&1
+    done
+    kill $launcher; sleep 2; pkill -9 -f "cuda_perf.py hostfree"; status=1
+    echo "hung: stacks in stacks.txt"
+  fi
+  grep -E "RESULT|Error" "$LOG/hang.log" | tail -5
 fi
 
 if [ "$what" = all ] || [ "$what" = bench ]; then

@@ -21,8 +21,10 @@ Every result is checked (exact, integers in float32). Rank 0 prints one line
 "RESULT {json}" per measurement.
 """
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 
@@ -168,6 +170,7 @@ def main():
     args = ap.parse_args()
     if args.iters is None:
         args.iters = 1000 if args.mode == "latency" else 10
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # gpu_check.sh hang: stacks
     rank, world = init_dist()
     local = int(os.environ.get("LOCAL_RANK", rank))
     dev = torch.device("cuda", local % torch.cuda.device_count())
