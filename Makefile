@@ -112,7 +112,8 @@ fuzz-asan:
 	$(MAKE) -C tests/fuzz -j$(MAX_JOBS) build
 	$(MAKE) -C tests/c asan-build
 	$(MAKE) -j$(CI_JOBS) --output-sync=target $(addprefix fuzz-run-,$(FUZZ_TARGETS)) asan-run
-fuzz-run-%:
+# (a static pattern rule: make looks for no implicit rule for a phony target)
+$(addprefix fuzz-run-,$(FUZZ_TARGETS)): fuzz-run-%:
 	$(MAKE) -C tests/fuzz run-$* FUZZ_SECONDS=$(FUZZ_SECONDS)
 asan-run:
 	$(MAKE) -C tests/c asan
