@@ -22,6 +22,7 @@ TORCH_VERSION := 2.13.0
 export MAX_JOBS ?= 2
 
 BUILD_STAMP := $(VENV)/.chorus-build.stamp
+FUZZ_TARGETS := $(notdir $(basename $(wildcard tests/fuzz/fuzz_*.c)))
 DEPS_STAMP := $(VENV)/.chorus-deps.stamp
 # Tools only the tests need (matplotlib: tests/test_bench.py checks `chorus.bench --plot`);
 # its own stamp, so that adding one does not rebuild Chorus.
@@ -31,7 +32,8 @@ BUILD_INPUTS := $(shell find csrc python -type f \( -name '*.c' -o -name '*.h' -
                   -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py' \) 2>/dev/null) \
                 $(wildcard setup.py pyproject.toml setup.cfg MANIFEST.in)
 
-.PHONY: all demo test ctest fuzz asan tsan valgrind asan-torch pytest deps build clean distclean readme-params
+.PHONY: all demo test ctest fuzz asan tsan valgrind asan-torch pytest deps base-deps build clean \
+        distclean readme-params prebuild fuzz-asan asan-run $(addprefix fuzz-run-,$(FUZZ_TARGETS))
 
 all: build
 
@@ -50,22 +52,25 @@ $(DEPS_STAMP): $(PY)
 # the pinned one above stays the only torch install step.
 # DeepSpeed (tests/test_examples.py runs examples/deepspeed_zero.py): pinned, --no-deps, so
 # that it cannot pull another torch; its pure-Python requirements (its Requires-Dist, less
-# torch) pinned one by one, each only if missing. No DeepSpeed op is compiled (DS_BUILD_OPS
-# unset): the example uses torch's Adam.
+# torch) pinned one by one, each only if missing (all the missing ones in one pip call, also
+# --no-deps). No DeepSpeed op is compiled (DS_BUILD_OPS unset): the example uses torch's Adam.
 DS_DEPS := hjson==3.1.0 msgpack==1.2.4 ninja==1.13.2 einops==0.8.2 psutil==7.2.2 tqdm==4.70.1 \
            py-cpuinfo==9.0.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 \
            typing-inspection==0.4.2 typing-extensions==4.15.0 packaging==26.2
 $(TEST_DEPS_STAMP): $(DEPS_STAMP) Makefile
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install matplotlib
-	for spec in $(DS_DEPS); do \
+	missing=; for spec in $(DS_DEPS); do \
 	  mod=$$(echo $${spec%%==*} | tr - _ | sed 's/^py_cpuinfo$$/cpuinfo/'); \
-	  $(PY) -c "import $$mod" 2>/dev/null || $(PIP) install --no-deps "$$spec" || exit 1; \
-	done
+	  $(PY) -c "import $$mod" 2>/dev/null || missing="$$missing $$spec"; \
+	done; \
+	if [ -n "$$missing" ]; then $(PIP) install --no-deps $$missing || exit 1; fi
 	$(PY) -c "import deepspeed" 2>/dev/null || \
 	  $(PIP) install --no-deps --no-build-isolation "deepspeed==0.19.8"
 	touch $@
 
 deps: $(DEPS_STAMP) $(TEST_DEPS_STAMP)
+# .venv with torch, pytest, numpy, setuptools (what `make build` needs)
+base-deps: $(DEPS_STAMP)
 
 # --no-build-isolation: build against the torch in .venv (an isolated build would fetch
 # another torch and break the ABI).
@@ -84,6 +89,34 @@ ctest:
 FUZZ_SECONDS ?= 60
 fuzz:
 	$(MAKE) -C tests/fuzz fuzz FUZZ_SECONDS=$(FUZZ_SECONDS)
+
+# For .ci/run. prebuild: what the checks after `make build` compile, built ahead (CI runs it,
+# niced, beside the package build, whose C++ compile leaves a core idle): the C unit tests,
+# their asan build, the fuzz targets, tools/fp_cost.sh's two bench_comm builds
+# (tests/test_fingerprint_cost.py) and, where nvcc exists, the CUDA compile check
+# (tests/test_cuda.py). Each later step finds its make targets up to date.
+prebuild:
+	$(MAKE) -C tests/c build
+	$(MAKE) -C tests/c asan-build
+	$(MAKE) -C tests/fuzz -j$(MAX_JOBS) build
+	$(MAKE) -s -C tests/c BUILD=$(CURDIR)/tests/c/build-fp EXTRA_CFLAGS= bench_comm
+	$(MAKE) -s -C tests/c BUILD=$(CURDIR)/tests/c/build-nofp EXTRA_CFLAGS=-DCHORUS_NO_FINGERPRINT \
+	  bench_comm
+	if command -v nvcc >/dev/null 2>&1; then $(MAKE) -C tests/cuda compile; fi
+
+# fuzz-asan: every fuzz target for FUZZ_SECONDS (each one single-threaded process) and
+# `make asan`, CI_JOBS (2) at a time in this order: on 2 cores two fuzzers side by side, then
+# the next one beside asan.
+CI_JOBS ?= 2
+fuzz-asan:
+	$(MAKE) -C tests/fuzz -j$(MAX_JOBS) build
+	$(MAKE) -C tests/c asan-build
+	$(MAKE) -j$(CI_JOBS) --output-sync=target $(addprefix fuzz-run-,$(FUZZ_TARGETS)) asan-run
+# (a static pattern rule: make looks for no implicit rule for a phony target)
+$(addprefix fuzz-run-,$(FUZZ_TARGETS)): fuzz-run-%:
+	$(MAKE) -C tests/fuzz run-$* FUZZ_SECONDS=$(FUZZ_SECONDS)
+asan-run:
+	$(MAKE) -C tests/c asan
 asan tsan valgrind:
 	$(MAKE) -C tests/c $@
 asan-torch: $(DEPS_STAMP)
@@ -92,9 +125,11 @@ asan-torch: $(DEPS_STAMP)
 pytest: $(BUILD_STAMP) $(TEST_DEPS_STAMP)
 	$(PY) -m pytest -q --durations=25 tests
 
+# The C unit tests run first; pytest's tests/test_c_units.py (which runs them too, for a plain
+# `pytest tests`) is told that they passed just before (CHORUS_C_UNITS_PASSED) and skips.
 test: $(BUILD_STAMP) $(TEST_DEPS_STAMP)
 	$(MAKE) -C tests/c
-	$(PY) -m pytest -q --durations=25 tests
+	CHORUS_C_UNITS_PASSED=1 $(PY) -m pytest -q --durations=25 tests
 
 # Rewrites the README parameter table from `python -m chorus.params --markdown`.
 readme-params: $(BUILD_STAMP)

@@ -71,7 +71,8 @@ class CheckRun:
                         else:
                             self.records[rec["family"]].append(rec)
             cur = os.path.join(out_dir, f"rank{rank}.current")
-            self.current[rank] = open(cur).read() if os.path.exists(cur) else "(not started)"
+            self.current[rank] = (open(cur).read().rstrip() if os.path.exists(cur)
+                                  else "(not started)")
 
     def counts(self):
         c = collections.Counter()

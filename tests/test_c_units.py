@@ -3,10 +3,16 @@ import os
 import re
 import subprocess
 
+import pytest
+
 from launch import REPO
 
 
 def test_c_unit_tests_build_and_pass():
+    if os.environ.get("CHORUS_C_UNITS_PASSED") == "1":
+        # `make test` runs `make -C tests/c` right before pytest and stops if it fails.
+        pytest.skip("make test ran the C unit tests (make -C tests/c) just before pytest; "
+                    "they passed")
     proc = subprocess.run(["make", "-C", os.path.join(REPO, "tests", "c")], cwd=REPO,
                           capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
