@@ -474,14 +474,20 @@ static chorus_result_t check_deadline(struct chorus_comm *comm, struct op *op) {
   return CHORUS_SUCCESS;
 }
 
+/* One pass over the connections and the point-to-point queues, unless the communicator
+ * failed. */
+static chorus_result_t progress_all(struct chorus_comm *comm, int *progressed) {
+  if (atomic_load(&comm->failed)) return failed_result(comm);
+  CHECK(progress_conns(comm, progressed));
+  return p2p_progress(comm, progressed);
+}
+
 /* While the GPU works for op: a device completion rings no doorbell, so this never sleeps
  * (engine_poll's futex sleeps would add up to milliseconds per copy); it spins, then
  * yields the core, and checks the deadline every few hundred calls. */
 chorus_result_t engine_poll_device(struct chorus_comm *comm, struct op *op, int *idle_iters) {
   int progressed = 0;
-  if (atomic_load(&comm->failed)) return failed_result(comm);
-  CHECK(progress_conns(comm, &progressed));
-  CHECK(p2p_progress(comm, &progressed));
+  CHECK(progress_all(comm, &progressed));
   int n = ++*idle_iters;
   if (n >= 1 << 30) *idle_iters = 1;
   if (progressed) *idle_iters = 0;
@@ -493,9 +499,7 @@ chorus_result_t engine_poll_device(struct chorus_comm *comm, struct op *op, int 
 
 chorus_result_t engine_poll(struct chorus_comm *comm, struct op *op, int *idle_iters) {
   int progressed = 0;
-  if (atomic_load(&comm->failed)) return failed_result(comm);
-  CHECK(progress_conns(comm, &progressed));
-  CHECK(p2p_progress(comm, &progressed));
+  CHECK(progress_all(comm, &progressed));
   if (progressed) {
     *idle_iters = 0;
     comm->db_seen = doorbell_value(comm);
