@@ -552,7 +552,9 @@ static chorus_result_t copy_back(struct chorus_comm *comm, struct cuda_state *st
   return CHORUS_SUCCESS;
 }
 
-static chorus_result_t staged(struct chorus_comm *comm, struct cuda_state *st, struct op *op) {
+/* cls: the op's size class (size_class of coll_bytes), for the timing kept per class. */
+static chorus_result_t staged(struct chorus_comm *comm, struct cuda_state *st, struct op *op,
+                              int cls) {
   size_t sbytes, rbytes;
   extents(comm, op, &sbytes, &rbytes);
   const size_t ralign = (rbytes + 63) & ~(size_t)63;
@@ -597,11 +599,10 @@ static chorus_result_t staged(struct chorus_comm *comm, struct cuda_state *st, s
   const int64_t t2 = now_ns();
   if (rbytes) CHECK(copy_back(comm, st, op, hrecv, rbytes));
   CHECK(drain_stream(comm, op, st->stream));
-  const int c = size_class(coll_bytes(comm, op));
-  st->n_staged[c]++;
-  st->ns_in[c] += (uint64_t)(t1 - t0);
-  st->ns_host[c] += (uint64_t)(t2 - t1);
-  st->ns_out[c] += (uint64_t)(now_ns() - t2);
+  st->n_staged[cls]++;
+  st->ns_in[cls] += (uint64_t)(t1 - t0);
+  st->ns_host[cls] += (uint64_t)(t2 - t1);
+  st->ns_out[cls] += (uint64_t)(now_ns() - t2);
   return CHORUS_SUCCESS;
 }
 
@@ -614,7 +615,9 @@ chorus_result_t cuda_run(struct chorus_comm *comm, struct op *op) {
        "cudaStreamWaitEvent on the caller's event");
   chorus_result_t (*fn)(struct chorus_comm *, struct op *) = NULL;
   int id = ALGO_ONESHOT;
-  if (st->ipc_ok && coll_bytes(comm, op) > (size_t)param_int(PARAM_CUDA_HOST_MAX)) {
+  const size_t bytes = coll_bytes(comm, op);
+  const int cls = size_class(bytes);
+  if (st->ipc_ok && bytes > (size_t)param_int(PARAM_CUDA_HOST_MAX)) {
     switch (op->kind) {
       case OP_ALLREDUCE:
         if (op->count * dtype_size(op->dtype) > CUDA_ONESHOT_MAX) id = ALGO_TWOSHOT;
@@ -636,7 +639,7 @@ chorus_result_t cuda_run(struct chorus_comm *comm, struct op *op) {
   if (!fn) {
     TRACE(SUB_COLL, comm->rank, "cuda: %s seq %llu staged through host memory",
           op_kind_name(op->kind), (unsigned long long)op->seq);
-    return staged(comm, st, op);
+    return staged(comm, st, op, cls);
   }
   op->algo = id;
   comm->last_algo = id;
@@ -646,9 +649,8 @@ chorus_result_t cuda_run(struct chorus_comm *comm, struct op *op) {
   const int64_t t0 = now_ns();
   CHECK(fn(comm, op));
   CHECK(drain_stream(comm, op, st->stream));
-  const int c = size_class(coll_bytes(comm, op));
-  st->n_ipc[c]++;
-  st->ns_ipc[c] += (uint64_t)(now_ns() - t0);
+  st->n_ipc[cls]++;
+  st->ns_ipc[cls] += (uint64_t)(now_ns() - t0);
   return CHORUS_SUCCESS;
 }
 
