@@ -37,6 +37,24 @@ def parse_size(text):
 BUFFSIZE = parse_size(os.environ.get("CHORUS_BUFFSIZE", "4M"))
 
 
+def allreduce_behind_sleep(rank, world, dev):
+    """A plain (synchronous) all_reduce of 4099 floats issued behind ~100 ms of GPU work on
+    the current stream, its result then used on that stream. Returns (host_s, gpu_s, ok):
+    seconds until the call returned to Python, seconds until the GPU was done, and whether
+    the result is right (NCCL's semantics: the call returns long before the GPU is done)."""
+    t = torch.zeros(4099, device=dev)
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    torch.cuda._sleep(int(2e8))
+    t.fill_(rank + 1.0)
+    dist.all_reduce(t)
+    t.add_(1)
+    host_s = time.monotonic() - t0
+    torch.cuda.synchronize()
+    gpu_s = time.monotonic() - t0
+    return host_s, gpu_s, bool((t == world * (world + 1) / 2 + 1).all())
+
+
 def init_dist():
     """init_process_group over env:// with the backend under test; returns (rank, world)."""
     if "chorus" in BACKEND:
