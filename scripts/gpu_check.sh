@@ -45,8 +45,8 @@ if [ "$what" = perf ]; then
   echo "== perf"
   for v in ${PERF_VARIANTS:-default}; do
     envs=$(echo "$v" | tr ',' ' '); [ "$v" = default ] && envs=""
-    for job in "2 latency --loop 2000" "4 bandwidth --iters 5"; do
-      set -- $job
+    for job in "2 hostfree" "2 latency --loop 2000" "4 bandwidth --iters 5"; do
+      set -- $job ""
       echo "-- $v: $*" >>"$LOG/perf.log"
       env CHORUS_DEBUG=INFO CHORUS_DEBUG_SUBSYS=COLL $envs timeout 120 $PY -m torch.distributed.run \
         --nproc-per-node $1 --master-port 29533 tests/workers/cuda_perf.py $2 $3 $4 2>&1 \
@@ -58,12 +58,12 @@ if [ "$what" = perf ]; then
 fi
 
 if [ "$what" = hang ]; then
-  # The stream-wait hang (docs/design.md, CUDA path): 2 ranks, a synchronous all_reduce
-  # behind a long kernel with CHORUS_CUDA_STREAM_WAIT=1. If the ranks still run after
-  # HANG_WAIT seconds, every thread's stack of each rank: Python's (faulthandler, SIGUSR1)
-  # and native ones (cuda-gdb, the image's only debugger), into $LOG/stacks.txt.
+  # A job that may hang: 2 ranks of tests/workers/cuda_perf.py hostfree (a synchronous
+  # all_reduce behind a long kernel). If the ranks still run after HANG_WAIT seconds, every
+  # thread's stack of each rank: Python's (faulthandler, SIGUSR1) and native ones
+  # (cuda-gdb, the image's only debugger), into $LOG/stacks.txt.
   echo "== hang"
-  CHORUS_CUDA_STREAM_WAIT=1 CHORUS_DEBUG=INFO CHORUS_DEBUG_SUBSYS=ALL $PY -m torch.distributed.run \
+  CHORUS_DEBUG=INFO CHORUS_DEBUG_SUBSYS=ALL $PY -m torch.distributed.run \
     --nproc-per-node 2 --master-port 29545 tests/workers/cuda_perf.py hostfree \
     >"$LOG/hang.log" 2>&1 &
   launcher=$!

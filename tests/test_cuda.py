@@ -42,10 +42,12 @@ def test_cuda_kernels_match_cpu():
     assert m and int(m.group(1)) > 0 and m.group(2) == "0", out[-3000:]
 
 
-# (world, mode, quick): mode ipc maps peers' memory, staged goes through host memory and the
-# host algorithms, socket stages over TCP (the path between hosts).
-CASES = [(2, "ipc", False), (3, "ipc", True), (4, "ipc", False), (2, "staged", True),
-         (4, "staged", True), (3, "socket", True)]
+# (world, mode, quick): mode ipc runs on the shared GPU (rank 0 runs each collective on every
+# rank's buffers; what it cannot run goes over the IPC scratch), scratch maps peers' scratch
+# areas (the path between different GPUs of one host), staged goes through host memory and
+# the host algorithms, socket stages over TCP (the path between hosts).
+CASES = [(2, "ipc", False), (3, "ipc", True), (4, "ipc", False), (2, "scratch", True),
+         (4, "scratch", False), (2, "staged", True), (4, "staged", True), (3, "socket", True)]
 
 
 @needs_gpu
@@ -57,7 +59,11 @@ def test_cuda_collectives_on_one_gpu(tmp_path, world, mode, quick):
     # stage what does not fit in their 1 MiB pinned buffer through pageable memory.
     env["CHORUS_CUDA_SCRATCH"] = "1M"
     label = f"cuda-{mode}-{world}"
-    if mode == "staged":
+    if mode == "ipc":
+        env["CHORUS_TEST_HOST_FREE"] = "1"
+    elif mode == "scratch":
+        env["CHORUS_CUDA_SAME_GPU"] = "0"
+    elif mode == "staged":
         env["CHORUS_CUDA_IPC"] = "0"
     elif mode == "socket":
         env["CHORUS_SHM_DISABLE"] = "1"
@@ -71,10 +77,12 @@ def test_cuda_collectives_on_one_gpu(tmp_path, world, mode, quick):
         assert m and int(m.group(1)) > 100 and m.group(2) == "0", r.output[-3000:]
     logs = "".join(open(os.path.join(workdir, f)).read() for f in os.listdir(workdir)
                    if f.startswith("core."))
-    if mode == "ipc":
+    if mode in ("ipc", "scratch"):
         assert len(re.findall(rf"maps {world - 1} peers through CUDA IPC \(", logs)) == world, \
             logs[-3000:]
         assert "same GPU" in logs or "P2P" in logs, logs[-2000:]
+        shared = len(re.findall(rf"all {world} ranks on one GPU", logs))
+        assert shared == (world if mode == "ipc" else 0), logs[-3000:]
     else:
         assert "staged through host memory" in logs, logs[-3000:]
 
@@ -143,12 +151,10 @@ def test_cuda_allreduce_latency_two_ranks_one_gpu(tmp_path):
 def test_cuda_host_not_blocked(tmp_path):
     """2 ranks on one GPU: an all_reduce issued behind ~100 ms of GPU work returns to Python
     before that work ends (under 50 ms), as its first device collective and later, and the
-    result is right. Needs the stream wait (CHORUS_CUDA_STREAM_WAIT=1), which is not the
-    default yet: docs/design.md says where it stands."""
+    result is right (default settings: the shared-GPU path)."""
     d = kept_dir(tmp_path, "cuda-hostfree-2")
     res = run_job("cuda-hostfree-2", os.path.join(WORKERS, "cuda_perf.py"), 2,
-                  args=["hostfree"], env={"CHORUS_CUDA_STREAM_WAIT": "1"}, timeout=90,
-                  workdir=d)
+                  args=["hostfree"], timeout=90, workdir=d)
     assert res.ok, res.describe()
     rows = [r for r in results_of(res, os.path.join(d, "results.jsonl"))
             if r["test"] == "hostfree"]
@@ -160,8 +166,8 @@ def test_cuda_host_not_blocked(tmp_path):
 @needs_gpu
 @pytest.mark.skipif(backend_under_test() != "chorus", reason="chorus CUDA path only")
 def test_cuda_allreduce_bandwidth_four_ranks_one_gpu(tmp_path):
-    """4 ranks on one GPU, all_reduce of 64 MiB to 1 GiB: the HBM traffic the algorithm moves
-    ((5 N + 1) x bytes, see tests/workers/cuda_perf.py) per second is at least 60% of the
+    """4 ranks on one GPU, all_reduce of 64 MiB to 1 GiB: the HBM traffic the path moves
+    (2 N x bytes on the shared-GPU path, see tests/workers/cuda_perf.py) per second is at least 60% of the
     device-to-device copy bandwidth measured in the same job."""
     d = kept_dir(tmp_path, "cuda-bandwidth-4")
     res = run_job("cuda-bandwidth-4", os.path.join(WORKERS, "cuda_perf.py"), 4,

@@ -178,15 +178,19 @@ void checkTensor(const at::Tensor& t, const char* op) {
   (void)toDtype(t.scalar_type());
 }
 
-// The device of the op being prepared on this thread: set by its Checker, taken by launch().
+// The device of the op being prepared on this thread, and its CUDA tensors: set by its
+// Checker, taken by launch().
 thread_local int t_op_cuda_device = -1;
+thread_local std::vector<at::Tensor> t_op_tensors;
 
 struct Checker {
   const char* op;
   bool have_device = false;
   at::Device device{at::kCPU};
+  explicit Checker(const char* name) : op(name) { t_op_tensors.clear(); }
   void operator()(const at::Tensor& t) {
     checkTensor(t, op);
+    if (t.is_cuda()) t_op_tensors.push_back(t);
     if (!have_device) {
       device = t.device();
       have_device = true;
@@ -491,8 +495,8 @@ WorkChorus::WorkChorus(OpType type, int rank, const char* profiling_title, const
 
 WorkChorus::~WorkChorus() {
   for (chorus_request_t* r : reqs_) chorus_request_free(r);
-  cuda::completeSlot(&done_slot_);  // a work that never finalized must not strand a stream
   cuda::destroyEvent(cuda_event_);
+  cuda::destroyEvent(end_event_);
 }
 
 void WorkChorus::setCudaDevice(int device) {
@@ -503,28 +507,22 @@ void WorkChorus::setCudaDevice(int device) {
       std::vector<c10::Device>{c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device))});
 }
 
-void WorkChorus::setCuda(int device, void* event) {
+void WorkChorus::setCuda(int device, void* event, void* end_event) {
   setCudaDevice(device);
   cuda_event_ = event;
-  cuda::allocSlot(&done_slot_);
+  end_event_ = end_event;
 }
 
-namespace {
-// CHORUS_CUDA_STREAM_WAIT, read once.
-bool streamWaitEnabled() {
-  static const bool on = chorus_cuda_stream_wait() != 0;
-  return on;
+void WorkChorus::streamWaitDevice() {
+  for (auto& child : children_) child->streamWaitDevice();
+  if (cuda_device_ >= 0 && end_event_) cuda::streamWaitEvent(cuda_device_, end_event_);
 }
-}  // namespace
 
-bool WorkChorus::streamWaitAll() {
-  if (!streamWaitEnabled()) return false;
-  if (children_.empty()) return stream_wait_ && cuda::streamWait(cuda_device_, done_slot_);
+bool WorkChorus::deviceDone() {
   for (auto& child : children_) {
-    if (child->cuda_device_ < 0 || !child->stream_wait_) return false;
-    if (!cuda::streamWait(child->cuda_device_, child->done_slot_)) return false;
+    if (!child->deviceDone()) return false;
   }
-  return true;
+  return cuda::eventDone(end_event_);
 }
 
 void WorkChorus::addRequest(chorus_request_t* req) {
@@ -622,8 +620,12 @@ void WorkChorus::finalize() noexcept {
     if (any_source_ && !reqs_.empty() && err.empty())
       source_rank_ = chorus_request_source(reqs_[0]);
     if (err.empty() && !eptr) {
-      if (cuda_device_ >= 0) {
-        cuda::copyBack(cuda_device_, copy_back_);
+      if (cuda_device_ >= 0 && end_event_) {
+        // The device part may still run (the core queued it and completed the requests):
+        // copy-back, the tensors' memory and the future all wait for it on our stream.
+        std::vector<at::Tensor> held = keep_;
+        held.insert(held.end(), outputs_.begin(), outputs_.end());
+        cuda::finishAfter(cuda_device_, end_event_, copy_back_, held);
       } else {
         for (auto& cb : copy_back_) cb.first.copy_(cb.second);
       }
@@ -649,9 +651,6 @@ void WorkChorus::finalize() noexcept {
     exception_ = eptr;
     parent = std::move(parent_);
   }
-  // Streams waiting in wait() may go on: the data is final (or the work failed, which the
-  // next call on the group reports; a stream must not wait for ever).
-  cuda::completeSlot(&done_slot_);
   cv_.notify_all();
   try {
     if (recordFunctionEndCallback_) {
@@ -663,6 +662,10 @@ void WorkChorus::finalize() noexcept {
   try {
     if (eptr) {
       future_->setError(eptr);
+    } else if (cuda_device_ >= 0 && end_event_) {
+      // The future records its events on the current stream: ours, after the device part.
+      cuda::onCompletionStream(cuda_device_,
+                               [&] { future_->markCompleted(c10::IValue(outputs_)); });
     } else {
       future_->markCompleted(c10::IValue(outputs_));
     }
@@ -694,13 +697,18 @@ bool WorkChorus::waitDone(Clock::time_point deadline, bool has_deadline) {
 }
 
 bool WorkChorus::isCompleted() {
+  // As ProcessGroupNCCL: complete once the device work is, not when it is merely queued.
+  return hostCompleted() && (cuda_device_ < 0 || deviceDone());
+}
+
+bool WorkChorus::hostCompleted() {
   {
     std::lock_guard<std::mutex> lk(mutex_);
     if (completed_) return true;
   }
   // Polling must make progress even if the completer is busy (e.g. inside a user callback).
   for (auto& child : children_) {
-    if (!child->isCompleted()) return false;
+    if (!child->hostCompleted()) return false;
   }
   for (chorus_request_t* r : reqs_) {
     int done = 0;
@@ -734,18 +742,16 @@ std::vector<at::Tensor> WorkChorus::result() { return outputs_; }
 void WorkChorus::synchronize() {
   // CPU tensors: the data is in place once the work completed; nothing to order. CUDA: the
   // current stream waits for the work, as ProcessGroupNCCL's synchronize does.
-  if (cuda_device_ >= 0 && !isCompleted()) wait();
+  if (cuda_device_ >= 0) wait();
 }
 
 bool WorkChorus::wait(std::chrono::milliseconds timeout) {
-  if (cuda_device_ >= 0 && !isCompleted()) {
-    // As ProcessGroupNCCL: the caller's current stream waits, the host does not. Where that
-    // cannot be done, the host waits below.
-    if (streamWaitAll()) return true;
-  }
+  // The host waits until the requests complete: for device work queued by the core (every
+  // rank on one GPU) that is when it is queued, not run; then the caller's current stream
+  // waits for the device part, as with ProcessGroupNCCL.
   const bool has_deadline = timeout.count() > 0;
   const auto deadline = Clock::now() + timeout;
-  if (!isCompleted()) {
+  if (!hostCompleted()) {
     // Wait on the requests directly instead of on the completer: a caller on the completer
     // thread (a future callback that waits on another collective) must not deadlock.
     waiters_.fetch_add(1, std::memory_order_acq_rel);
@@ -759,8 +765,11 @@ bool WorkChorus::wait(std::chrono::milliseconds timeout) {
     // Finalized here: if the core queued it for the completer unnotified, take it back.
     if (completer_->take(this)) dropRef(this);
   }
-  std::lock_guard<std::mutex> lk(mutex_);
-  if (exception_) std::rethrow_exception(exception_);
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    if (exception_) std::rethrow_exception(exception_);
+  }
+  if (cuda_device_ >= 0) streamWaitDevice();
   return true;
 }
 
@@ -908,10 +917,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::launch(
   bool in_scope = false;
   try {
     if (device >= 0) {
+      // The user's tensors stay alive until the work is finalized, which then hands them
+      // to the caching allocator's stream tracking (finishAfter).
+      for (auto& t : t_op_tensors) work->keepAlive(std::move(t));
+      t_op_tensors.clear();
       // After every copy the op queued on the caller's stream (staging, contiguous()).
       void* event = cuda::recordCurrentStream(device);
-      work->setCuda(device, event);
-      if (chorus_cuda_begin(comm_, device, event) != CHORUS_SUCCESS)
+      void* end_event = nullptr;
+      try {
+        end_event = cuda::createEvent(device);
+      } catch (...) {
+        cuda::destroyEvent(event);
+        throw;
+      }
+      work->setCuda(device, event, end_event);
+      if (chorus_cuda_begin(comm_, device, event, end_event) != CHORUS_SUCCESS)
         TORCH_CHECK(false, "chorus: ", chorus_comm_error(nullptr));
       in_scope = true;
     }
@@ -921,11 +941,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::launch(
     work->arm();
     throw;
   }
-  if (in_scope) {
-    chorus_cuda_end(comm_);
-    // The submission set up the communicator's CUDA state (or failed to: wait on the host).
-    work->setStreamWait(chorus_cuda_ready(comm_) != 0);
-  }
+  if (in_scope) chorus_cuda_end(comm_);
   work->arm();
   if (coalescing_) coalesced_.push_back(work);
   return work;
@@ -1577,6 +1593,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::recvAnysource(std::vector<at:
 c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::barrier(const c10d::BarrierOptions& /*opts*/) {
   const char* op = "barrier";
   t_op_cuda_device = -1;  // no tensors: a host operation
+  t_op_tensors.clear();
   auto work = newWork(OpType::BARRIER, "chorus:barrier", op, {});
   return launch(work, [&](chorus_comm_t* c, WorkChorus& w) {
     chorus_request_t* req = nullptr;

@@ -83,12 +83,10 @@ class WorkChorus : public c10d::Work {
   }
   void addChild(c10::intrusive_ptr<WorkChorus> child) { children_.push_back(std::move(child)); }
   void setAnySource() { any_source_ = true; }
-  // Device tensors: the work waits for `event` (recorded on the caller's stream, owned by
-  // the work from now on), completes a pinned word that streams can wait on, and gives its
-  // future the device. Before arm().
-  void setCuda(int device, void* event);
-  // After the op was issued: wait() may make the caller's stream wait (chorus_cuda_ready).
-  void setStreamWait(bool on) { stream_wait_ = on; }
+  // Device tensors: the work waits for `event` (recorded on the caller's stream), its
+  // device part ends at `end_event` (recorded by the core when that part outlives the
+  // requests), both owned by the work from now on; its future names the device. Before arm().
+  void setCuda(int device, void* event, void* end_event);
   // The device alone (a coalesced work over device works: its future names the device).
   void setCudaDevice(int device);
   int cudaDevice() const { return cuda_device_; }
@@ -120,11 +118,14 @@ class WorkChorus : public c10d::Work {
   bool beginInline() noexcept;
   void endInline() noexcept;
   bool attachParent(const c10::intrusive_ptr<WorkChorus>& parent);
+  // Have the requests completed (device work queued, maybe not yet run)? Finalizes if so.
+  bool hostCompleted();
   // finalize(), then wait until completed_ (another thread may be the one finalizing).
   void awaitCompleted();
-  // Makes the current stream wait for this work (or its children) on the device; false if
-  // that is not possible here.
-  bool streamWaitAll();
+  // Makes the current stream wait for this work's (or its children's) device part.
+  void streamWaitDevice();
+  // Has the device part of this work (or of its children) finished?
+  bool deviceDone();
   // Waits for every request / child without throwing; false on timeout.
   bool waitDone(std::chrono::steady_clock::time_point deadline, bool has_deadline);
 
@@ -146,8 +147,7 @@ class WorkChorus : public c10d::Work {
   bool any_source_ = false;
   int cuda_device_ = -1;         // >= 0: the tensors are on this CUDA device
   void* cuda_event_ = nullptr;   // the caller's stream position the work waits for
-  cuda::DoneSlot done_slot_;     // completed in finalize(); streams wait on it
-  bool stream_wait_ = false;     // see setCuda
+  void* end_event_ = nullptr;    // the end of the work's device part (see setCuda)
   int source_rank_ = -1;
   uint64_t seq_ = 0;
 };

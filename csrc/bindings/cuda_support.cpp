@@ -1,16 +1,15 @@
-// cuda_support.cpp - see cuda_support.hpp. The completion words are one block of mapped
-// pinned memory (cudaHostAllocMapped | Portable: every device sees it at one address); a
-// stream waits on a word with the driver's cuStreamWaitValue64, found through the runtime at
-// first use, so the extension needs no link against libcuda.
+// cuda_support.cpp - see cuda_support.hpp. The completion stream is one non-blocking stream
+// per device, made at first use and never destroyed (events recorded on it may be waited on
+// until the process ends).
 #include "cuda_support.hpp"
 
-#include <atomic>
-#include <cstring>
+#include <array>
 #include <mutex>
 
 #include <c10/util/Exception.h>
 
 #ifdef CHORUS_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -24,13 +23,16 @@ namespace cuda {
 void* recordCurrentStream(int) {
   TORCH_CHECK(false, "chorus: this build of chorus has no CUDA support");
 }
+void* createEvent(int) { TORCH_CHECK(false, "chorus: this build of chorus has no CUDA support"); }
 void destroyEvent(void*) {}
-bool allocSlot(DoneSlot*) { return false; }
-void completeSlot(DoneSlot*) {}
-bool streamWait(int, const DoneSlot&) { return false; }
-void copyBack(int, std::vector<std::pair<at::Tensor, at::Tensor>>& pairs) {
+bool eventDone(void*) { return true; }
+void streamWaitEvent(int, void*) {}
+bool finishAfter(int, void*, std::vector<std::pair<at::Tensor, at::Tensor>>& pairs,
+                 const std::vector<at::Tensor>&) {
   for (auto& p : pairs) p.first.copy_(p.second);
+  return false;
 }
+void onCompletionStream(int, const std::function<void()>& body) { body(); }
 
 #else
 
@@ -41,62 +43,27 @@ void check(cudaError_t e, const char* what) {
               cudaGetErrorString(e), ")");
 }
 
-// CUresult cuStreamWaitValue64(CUstream, CUdeviceptr, cuuint64_t, unsigned int)
-using WaitValue64 = int (*)(cudaStream_t, unsigned long long, unsigned long long, unsigned);
-constexpr unsigned kWaitGeq = 0;  // CU_STREAM_WAIT_VALUE_GEQ
-constexpr int kSlots = 4096;
-// Device works a caller may have in flight behind stream waits before wait() waits on the
-// host instead. Unbounded, a caller that never blocks fills its stream's command queue, and
-// the driver then blocks the caller's thread inside a CUDA call until the GPU drains it.
-constexpr int kMaxAhead = 128;
+constexpr int kMaxDevices = 64;
 
-struct Slots {
-  std::mutex mu;  // free_list, next_token, init
-  bool tried = false;
-  std::atomic<bool> usable{false};
-  std::atomic<int> in_use{0};
-  volatile uint64_t* words = nullptr;  // host view
-  unsigned long long dev_base = 0;     // device view of words[0]
-  WaitValue64 wait = nullptr;
-  std::vector<int> free_list;
-  uint64_t next_token = 1;
-
-  // Under mu.
-  void init() {
-    tried = true;
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &fn, 12000, cudaEnableDefault,
-                                         &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess || !fn) {
-      cudaGetLastError();
-      return;
-    }
-    void* host = nullptr;
-    if (cudaHostAlloc(&host, kSlots * sizeof(uint64_t),
-                      cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess) {
-      cudaGetLastError();
-      return;
-    }
-    void* dev = nullptr;
-    if (cudaHostGetDevicePointer(&dev, host, 0) != cudaSuccess) {
-      cudaGetLastError();
-      cudaFreeHost(host);
-      return;
-    }
-    std::memset(host, 0, kSlots * sizeof(uint64_t));
-    words = static_cast<volatile uint64_t*>(host);
-    dev_base = reinterpret_cast<unsigned long long>(dev);
-    wait = reinterpret_cast<WaitValue64>(fn);
-    for (int i = kSlots - 1; i >= 0; --i) free_list.push_back(i);
-    usable = true;
+c10::cuda::CUDAStream completionStream(int device) {
+  static std::mutex mu;
+  static std::array<cudaStream_t, kMaxDevices> streams{};
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "chorus: CUDA device ", device,
+              " out of range");
+  std::lock_guard<std::mutex> lk(mu);
+  if (!streams[device]) {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    cudaStream_t s = nullptr;
+    check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    streams[device] = s;
   }
-};
+  return c10::cuda::getStreamFromExternal(streams[device],
+                                          static_cast<c10::DeviceIndex>(device));
+}
 
-// Never freed: streams may wait on the words until the process ends.
-Slots& slots() {
-  static Slots* s = new Slots();
-  return *s;
+void protect(const at::Tensor& t, const c10::cuda::CUDAStream& s) {
+  if (t.defined() && t.is_cuda() && t.has_storage())
+    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), s);
 }
 
 }  // namespace
@@ -113,62 +80,61 @@ void* recordCurrentStream(int device) {
   return ev;
 }
 
+void* createEvent(int device) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  cudaEvent_t ev = nullptr;
+  check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+  return ev;
+}
+
 void destroyEvent(void* event) {
   if (event) cudaEventDestroy(static_cast<cudaEvent_t>(event));
 }
 
-bool allocSlot(DoneSlot* slot) {
-  Slots& s = slots();
-  std::lock_guard<std::mutex> lk(s.mu);
-  if (!s.tried) s.init();
-  if (!s.usable.load() || s.free_list.empty()) return false;
-  __atomic_store_n(&slot->index, s.free_list.back(), __ATOMIC_RELEASE);
-  s.free_list.pop_back();
-  slot->token = s.next_token++;
-  s.in_use.fetch_add(1);
+bool eventDone(void* event) {
+  if (!event) return true;
+  cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(event));
+  if (e == cudaErrorNotReady) return false;
+  if (e != cudaSuccess) cudaGetLastError();
   return true;
 }
 
-void completeSlot(DoneSlot* slot) {
-  const int index = __atomic_load_n(&slot->index, __ATOMIC_ACQUIRE);
-  if (index < 0) return;
-  Slots& s = slots();
-  std::lock_guard<std::mutex> lk(s.mu);
-  __atomic_store_n(const_cast<uint64_t*>(&s.words[index]), slot->token, __ATOMIC_RELEASE);
-  s.free_list.push_back(index);
-  __atomic_store_n(&slot->index, -1, __ATOMIC_RELEASE);
-  s.in_use.fetch_sub(1);
+void streamWaitEvent(int device, void* event) {
+  if (!event) return;
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  check(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(device).stream(),
+                            static_cast<cudaEvent_t>(event), 0),
+        "cudaStreamWaitEvent on the work's end event");
 }
 
-bool streamWait(int device, const DoneSlot& slot) {
-  if (slot.token == 0) return false;  // no word was free for this work
-  Slots& s = slots();
-  // No lock: the driver call below may block (a full command queue) until the GPU moves on,
-  // which may need completeSlot. Racing with completeSlot is harmless: once the word was
-  // handed back, it only ever holds this token or later (larger) ones, so the condition
-  // (word >= token) holds for good.
-  const int index = __atomic_load_n(&slot.index, __ATOMIC_ACQUIRE);
-  if (index < 0) return true;  // already complete: nothing to wait for
-  if (!s.usable.load() || s.in_use.load() > kMaxAhead) return false;
+bool finishAfter(int device, void* event, std::vector<std::pair<at::Tensor, at::Tensor>>& pairs,
+                 const std::vector<at::Tensor>& keep) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-  const unsigned long long addr = s.dev_base + static_cast<unsigned long long>(index) * 8;
-  if (s.wait(stream, addr, slot.token, kWaitGeq) != 0) {
-    s.usable = false;  // e.g. stream memory operations disabled by the driver: wait on host
-    return false;
-  }
-  return true;
-}
-
-void copyBack(int device, std::vector<std::pair<at::Tensor, at::Tensor>>& pairs) {
-  if (pairs.empty()) return;
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  auto stream = c10::cuda::getStreamFromPool(false, static_cast<c10::DeviceIndex>(device));
+  auto s = completionStream(device);
+  const bool pending = !eventDone(event);
+  if (pending) check(cudaStreamWaitEvent(s.stream(), static_cast<cudaEvent_t>(event), 0),
+                     "cudaStreamWaitEvent on the work's end event");
   {
-    c10::cuda::CUDAStreamGuard sg(stream);
+    c10::cuda::CUDAStreamGuard sg(s);
     for (auto& p : pairs) p.first.copy_(p.second, /*non_blocking=*/true);
   }
-  stream.synchronize();
+  if (!pending) {
+    if (!pairs.empty()) s.synchronize();
+    return false;
+  }
+  for (auto& t : keep) protect(t, s);
+  for (auto& p : pairs) {
+    protect(p.first, s);
+    protect(p.second, s);
+  }
+  check(cudaEventRecord(static_cast<cudaEvent_t>(event), s.stream()),
+        "cudaEventRecord of the work's end event");
+  return true;
+}
+
+void onCompletionStream(int device, const std::function<void()>& body) {
+  c10::cuda::CUDAStreamGuard sg(completionStream(device));
+  body();
 }
 
 #endif

@@ -1,10 +1,11 @@
 // cuda_support.hpp - the binding's CUDA pieces, behind plain types so that the rest of the
 // binding compiles the same with and without CUDA (cuda_support.cpp has both versions):
-// the caller's stream captured in an event, host-free stream waits on a work's completion,
-// and the copy-back of staged outputs on a stream of our own.
+// the caller's stream captured in an event, the work's end event, and what must follow a
+// work's device work (copy-back of staged outputs, the caching allocator's view of its
+// tensors, its future) on a stream of our own.
 #pragma once
 
-#include <cstdint>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -16,26 +17,26 @@ namespace cuda {
 // Records an event on the current stream of `device` (after whatever the caller queued so
 // far); the core's operations wait for it. Returns the cudaEvent_t.
 void* recordCurrentStream(int device);
+// A new event (no timing) for the core to record when a work's device part outlives it.
+void* createEvent(int device);
 void destroyEvent(void* event);
+// Has the event completed? An event never recorded has. Errors count as completed (the
+// work reports them).
+bool eventDone(void* event);
+// The current stream of `device` waits for `event`; the host does not.
+void streamWaitEvent(int device, void* event);
 
-// A completion word in pinned, device-visible host memory. Tokens only grow, so a word may
-// be handed to the next work as soon as its token is written: a stream still waiting on the
-// old token has its condition (word >= token) met for good.
-struct DoneSlot {
-  int index = -1;
-  uint64_t token = 0;
-};
-// false when no word is free or stream waits on host memory are unavailable here.
-bool allocSlot(DoneSlot* slot);
-// Publishes the token (the work is complete) and hands the word back.
-void completeSlot(DoneSlot* slot);
-// Makes the current stream of `device` wait until the slot is completed, without blocking
-// the host; true at once if the slot is already complete. false if it could not (the caller
-// then waits on the host).
-bool streamWait(int device, const DoneSlot& slot);
-
-// dst.copy_(src) for each pair, on a stream of our own, waited for before returning.
-void copyBack(int device, std::vector<std::pair<at::Tensor, at::Tensor>>& pairs);
+// After a work's requests completed, while its device work (up to `event`) may still run:
+// on the completion stream of `device` (which waits for `event` first) the staged outputs
+// are copied back (dst.copy_(src) for each pair), every tensor of `keep` and of the pairs is
+// marked as used by that stream (the caching allocator reuses its memory only after the
+// stream's work), and `event` is recorded again after all of it. Where `event` has already
+// completed, the copies are made at once and waited for. Returns whether it queued.
+bool finishAfter(int device, void* event, std::vector<std::pair<at::Tensor, at::Tensor>>& pairs,
+                 const std::vector<at::Tensor>& keep);
+// Runs body with the completion stream of `device` current, so that what body records (a
+// future's events) follows everything finishAfter queued.
+void onCompletionStream(int device, const std::function<void()>& body);
 
 }  // namespace cuda
 }  // namespace chorus_torch

@@ -106,9 +106,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("reason") = std::string("api"), py::call_guard<py::gil_scoped_release>(),
         "Writes the flight record of every Chorus communicator of this process into dir "
         "('' : CHORUS_TRACE_DIR); returns their paths.");
-  m.def("cuda_stream_wait", []() { return chorus_cuda_stream_wait() != 0; },
-        "Whether Work.wait() of CUDA operations makes the caller's stream wait "
-        "(CHORUS_CUDA_STREAM_WAIT) instead of the host.");
   m.def("cuda_built", []() { return chorus_cuda_built() != 0; },
         "True if this build carries the CUDA path (kernels, CUDA IPC, stream ordering).");
   m.def("version", []() { return std::string(chorus_version()); },

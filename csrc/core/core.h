@@ -87,10 +87,11 @@ int chorus_log_enabled(int level, int subsys);
     "Device collectives whose buffers are at most this many bytes per rank go through "      \
     "pinned host memory and the host algorithms even where CUDA IPC maps peers (two copies "   \
     "beat several device synchronisations for small messages).")                             \
-  X(CUDA_STREAM_WAIT, "CUDA_STREAM_WAIT", "bool", "0", 0,                                     \
-    "1: Work.wait() of a CUDA operation makes the caller's current stream wait and the host "  \
-    "goes on (ProcessGroupNCCL's semantics; experimental: it can hang with ranks sharing a "   \
-    "GPU, docs/design.md); 0: the host waits until the operation is done.")                  \
+  X(CUDA_SAME_GPU, "CUDA_SAME_GPU", "bool", "1", 0,                                         \
+    "1: when every rank of a communicator is on one GPU, its lowest rank runs each device "     \
+    "collective alone, straight on every rank's buffers (mapped through CUDA IPC), ordered "   \
+    "by IPC events: no host copy, and no rank's host waits for the GPU. 0: the IPC scratch "   \
+    "or staged paths.")                                                                     \
   X(SOCKET_SNDBUF, "SOCKET_SNDBUF", "size", "0", 0,                                          \
     "SO_SNDBUF/SO_RCVBUF for data sockets; 0 leaves the kernel's autotuning.")              \
   X(ALGO, "ALGO", "string", "", 1,                                                            \
@@ -299,6 +300,8 @@ struct shm_flags {
   char pad1[56];
   _Atomic uint64_t done;     /* generation this rank finished reading from everyone */
   char pad2[56];
+  _Atomic uint64_t gpu_idle; /* cuda.c teardown: this rank's device work is all finished */
+  char pad3[56];
   struct shm_fp fp[2];
 };
 size_t shm_scratch_half(const struct chorus_comm *comm);  /* 0 without shm */
@@ -421,6 +424,7 @@ struct op {
   int on_device;              /* buffers are CUDA memory of device `device` (cuda.c) */
   int device;
   void *start_event;          /* cudaEvent_t the op waits for before touching the buffers */
+  void *end_event;            /* cudaEvent_t recorded when the device work outlives the op */
   void *staging;              /* cuda.c: pinned host copy of a point-to-point payload */
   int64_t t_queued;           /* CLOCK_MONOTONIC ns at submission (flight recorder only) */
   uint64_t trace_id;          /* flight-recorder record + 1, 0 if none (trace.c) */

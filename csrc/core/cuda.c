@@ -1,13 +1,22 @@
 /* cuda.c - operations on CUDA device memory. The caller's stream order is kept with an
  * event (chorus_cuda_begin): the communicator's own stream waits for it, so the caller never
- * blocks. Collectives then take one of two paths, the same decision on every rank:
- *   CUDA IPC: every rank of the communicator is on this host. Each rank owns a device
- *     scratch area of two halves that all peers map (cudaIpcOpenMemHandle), and the
- *     direct-access algorithms of algo/shm_direct.c run over it with device copies and the
- *     reduction kernels (kernels/reduce.cu). Ranks synchronise through the host: the engine
- *     drains its stream, then raises the same shared-memory flags the host algorithms use.
- *     No kernel ever spins on another process's memory, so several ranks may share one GPU
- *     (their kernels time-slice and would never see each other's progress).
+ * blocks. Collectives then take one of three paths, the same decision on every rank:
+ *   same GPU: every rank of the communicator is on this host and on one GPU. The lowest
+ *     rank (the executor) runs each collective alone, straight on every rank's buffers,
+ *     which it maps through CUDA IPC (a cache keyed by allocation). Ranks post descriptors
+ *     of their buffers through host shared memory (shm_delegate); each records an IPC event
+ *     after the caller's work, the executor's stream waits for all of them, runs one kernel
+ *     (all_reduce: every input read once, every output written once) and records its own
+ *     IPC event, which every rank's stream then waits for. Nothing waits for the GPU on
+ *     the host, and only one process launches kernels, so ranks that share a GPU do not
+ *     time-slice kernels against each other.
+ *   CUDA IPC scratch: every rank is on this host (different GPUs, or CHORUS_CUDA_SAME_GPU=0).
+ *     Each rank owns a device scratch area of two halves that all peers map
+ *     (cudaIpcOpenMemHandle), and the direct-access algorithms of algo/shm_direct.c run over
+ *     it with device copies and the reduction kernels (kernels/reduce.cu). Ranks
+ *     synchronise through the host: the engine drains its stream, then raises the same
+ *     shared-memory flags the host algorithms use. No kernel ever spins on another
+ *     process's memory.
  *   staged: the data goes through pinned host memory and the host algorithms (between hosts,
  *     with CHORUS_CUDA_IPC=0, or where peers cannot map each other).
  * Point-to-point messages are always staged. Without CHORUS_WITH_CUDA only the entry points
@@ -23,7 +32,7 @@
 static _Thread_local struct {
   chorus_comm_t *comm;
   int device;
-  void *event;
+  void *event, *end_event;
 } scope;
 
 static void cuda_prepare(struct chorus_comm *comm, const struct op *op);
@@ -33,6 +42,7 @@ void cuda_tag_op(struct chorus_comm *comm, struct op *op) {
   op->on_device = 1;
   op->device = scope.device;
   op->start_event = scope.event;
+  op->end_event = scope.end_event;
   cuda_prepare(comm, op);
 }
 
@@ -44,16 +54,13 @@ static void cuda_prepare(struct chorus_comm *comm, const struct op *op) {
 }
 
 int chorus_cuda_built(void) { return 0; }
-int chorus_cuda_ready(chorus_comm_t *comm) {
-  (void)comm;
-  return 0;
-}
-int chorus_cuda_stream_wait(void) { return (int)param_int(PARAM_CUDA_STREAM_WAIT); }
 
-chorus_result_t chorus_cuda_begin(chorus_comm_t *comm, int device, void *event) {
+chorus_result_t chorus_cuda_begin(chorus_comm_t *comm, int device, void *event,
+                                  void *end_event) {
   (void)comm;
   (void)device;
   (void)event;
+  (void)end_event;
   comm_set_error(NULL, CHORUS_ERR_UNSUPPORTED,
                  "this build of chorus has no CUDA support (built without CUDA)");
   return CHORUS_ERR_UNSUPPORTED;
@@ -134,6 +141,7 @@ chorus_result_t cuda_drain(struct chorus_comm *comm, struct op *op) {
 
 #else /* CHORUS_WITH_CUDA */
 
+#include <cuda.h> /* types of cuPointerGetAttributes, reached through the runtime */
 #include <cuda_runtime_api.h>
 
 #include "cuda_kernels.h"
@@ -157,6 +165,16 @@ struct cuda_state {
   void *big;             /* pageable staging for what does not fit in `pinned` */
   size_t big_cap;
   _Atomic int ready;     /* setup done: no call from now on synchronises the device */
+  /* same GPU (every rank on this one device): the executor runs every eligible collective */
+  int same_gpu;
+  cudaEvent_t ev_mine;   /* IPC event: this rank's inputs ready / the executor's work done */
+  cudaEvent_t *ev_peer;  /* [rank] -> the peer's IPC event opened here (own: ev_mine) */
+  struct sg_export *exports; /* rank side: IPC handles of this rank's allocations */
+  struct sg_import *imports; /* executor: peers' allocations mapped here */
+  uint64_t use_clock;    /* LRU clock of both caches */
+  uint64_t n_sg[4], ns_sg[4], n_sg_fallback;
+  /* cuPointerGetAttributes, found through the runtime (no link against libcuda) */
+  CUresult (*get_attrs)(unsigned, CUpointer_attribute *, void **, CUdeviceptr);
   /* where the time of device collectives goes, per size class (bytes <= 4K, 64K, 1M, more),
    * logged at teardown (INFO) */
   uint64_t n_staged[4], ns_in[4], ns_host[4], ns_out[4]; /* to the host, host algo, back */
@@ -169,19 +187,15 @@ static int size_class(size_t bytes) {
 
 int chorus_cuda_built(void) { return 1; }
 
-/* A caller's stream may wait (cuStreamWaitValue64) for an operation the engine thread has
- * not finished. Any CUDA call that synchronises the whole device (cudaFree, cudaFreeHost,
- * cudaHostAlloc, the IPC mapping calls) made on the engine thread would then wait for that
- * stream, which waits for the engine thread: a deadlock. So they all happen in
- * cuda_prepare, on the thread that submits the first device operation (and the first
- * device collective), and at teardown; the engine thread only queues work, queries streams
- * and events, and waits for its own streams. */
-int chorus_cuda_ready(chorus_comm_t *comm) {
-  return comm && comm->cuda && atomic_load(&comm->cuda->ready);
-}
-int chorus_cuda_stream_wait(void) { return (int)param_int(PARAM_CUDA_STREAM_WAIT); }
-
-chorus_result_t chorus_cuda_begin(chorus_comm_t *comm, int device, void *event) {
+/* Calls that may synchronise the whole device (cudaFree, cudaFreeHost, cudaHostAlloc, the
+ * IPC setup calls) would stall the engine thread behind whatever the GPU runs (a caller's
+ * long kernel). So they happen in cuda_prepare, on the thread that submits the first device
+ * operation (and the first device collective), and at teardown; the engine thread queues
+ * work, queries streams and events, and waits for its own streams only on the paths that
+ * move data through the host. No stream ever waits for something the host has yet to do:
+ * every event a stream waits on was recorded before the wait was queued. */
+chorus_result_t chorus_cuda_begin(chorus_comm_t *comm, int device, void *event,
+                                  void *end_event) {
   if (!comm) {
     comm_set_error(NULL, CHORUS_ERR_INVALID, "chorus_cuda_begin: communicator is NULL");
     return CHORUS_ERR_INVALID;
@@ -206,6 +220,7 @@ chorus_result_t chorus_cuda_begin(chorus_comm_t *comm, int device, void *event) 
   scope.comm = comm;
   scope.device = device;
   scope.event = event;
+  scope.end_event = end_event;
   return CHORUS_SUCCESS;
 }
 
@@ -213,6 +228,7 @@ chorus_result_t chorus_cuda_end(chorus_comm_t *comm) {
   if (scope.comm != comm) return CHORUS_ERR_INVALID;
   scope.comm = NULL;
   scope.event = NULL;
+  scope.end_event = NULL;
   return CHORUS_SUCCESS;
 }
 
@@ -254,11 +270,29 @@ static chorus_result_t state_get(struct chorus_comm *comm, const struct op *op,
 }
 
 /* ------------------------------------------------------------------ CUDA IPC setup */
+/* the same-GPU caches (see "same GPU" below) */
+#define SG_EXPORTS 16
+#define SG_IMPORTS 64
+struct sg_export {
+  uint64_t id, last;
+  cudaIpcMemHandle_t h;
+};
+struct sg_import {
+  int rank;
+  uint64_t id, last;
+  uint8_t *base;
+  size_t size;
+};
+
+static void sg_release(struct cuda_state *st);
 struct ipc_card {
   int32_t ok;       /* scratch allocated and exported */
+  int32_t ev_ok;    /* IPC event made and exported */
   int32_t device;
-  int32_t pci_bus, pci_dev;
+  int32_t pad;
+  unsigned char uuid[16]; /* which GPU (a MIG instance has its own) */
   cudaIpcMemHandle_t handle;
+  cudaIpcEventHandle_t event;
 };
 
 static void ipc_release(struct cuda_state *st, int nlocal, int me) {
@@ -270,16 +304,30 @@ static void ipc_release(struct cuda_state *st, int nlocal, int me) {
   st->ipc_ok = 0;
 }
 
+static void events_release(struct cuda_state *st, int nranks) {
+  if (st->ev_peer)
+    for (int p = 0; p < nranks; p++)
+      if (st->ev_peer[p] && st->ev_peer[p] != st->ev_mine) cudaEventDestroy(st->ev_peer[p]);
+  free(st->ev_peer);
+  st->ev_peer = NULL;
+  if (st->ev_mine) cudaEventDestroy(st->ev_mine);
+  st->ev_mine = NULL;
+  st->same_gpu = 0;
+}
+
 /* How this rank reaches the device of a peer, for the log. */
-static const char *link_name(int mine, int theirs) {
-  if (mine == theirs) return "same GPU";
+static const char *link_name(const struct ipc_card *mine, const struct ipc_card *theirs) {
+  if (!memcmp(mine->uuid, theirs->uuid, sizeof mine->uuid)) return "same GPU";
   int can = 0;
-  if (cudaDeviceCanAccessPeer(&can, mine, theirs) != cudaSuccess || !can) return "no P2P";
+  if (cudaDeviceCanAccessPeer(&can, mine->device, theirs->device) != cudaSuccess || !can)
+    return "no P2P";
   return "P2P";
 }
 
 /* Collective over the communicator (every rank reaches it at the same device collective):
- * allocate and export the scratch, map every peer's, and agree whether all of it worked. */
+ * allocate and export the scratch and an IPC event, map every peer's, and agree whether
+ * all of it worked (bit 0: scratch mapped everywhere; bit 1: every rank on one GPU with
+ * every event opened). */
 static chorus_result_t ipc_setup(struct chorus_comm *comm, struct cuda_state *st,
                                  const struct op *op) {
   st->ipc_tried = 1;
@@ -297,47 +345,84 @@ static chorus_result_t ipc_setup(struct chorus_comm *comm, struct cuda_state *st
   int64_t total = param_int(PARAM_CUDA_SCRATCH);
   st->half = (size_t)(total > 0 ? total : 0) / 2;
   st->half -= st->half % 4096;
-  struct ipc_card mine = {0};
+  struct ipc_card mine;
+  memset(&mine, 0, sizeof mine);
   mine.device = st->device;
-  cudaDeviceGetAttribute(&mine.pci_bus, cudaDevAttrPciBusId, st->device);
-  cudaDeviceGetAttribute(&mine.pci_dev, cudaDevAttrPciDeviceId, st->device);
+  struct cudaDeviceProp prop;
+  if (cudaGetDeviceProperties(&prop, st->device) == cudaSuccess)
+    memcpy(mine.uuid, prop.uuid.bytes, sizeof mine.uuid);
   if (st->half >= 4096 && cudaMalloc((void **)&st->scratch, 2 * st->half) == cudaSuccess &&
       cudaIpcGetMemHandle(&mine.handle, st->scratch) == cudaSuccess)
     mine.ok = 1;
+  if (param_int(PARAM_CUDA_SAME_GPU) &&
+      cudaEventCreateWithFlags(&st->ev_mine, cudaEventDisableTiming | cudaEventInterprocess) ==
+          cudaSuccess &&
+      cudaIpcGetEventHandle(&mine.event, st->ev_mine) == cudaSuccess) {
+    void *fn = NULL;
+    enum cudaDriverEntryPointQueryResult q;
+    st->exports = calloc(SG_EXPORTS, sizeof *st->exports);
+    st->imports = calloc(SG_IMPORTS, sizeof *st->imports);
+    if (cudaGetDriverEntryPointByVersion("cuPointerGetAttributes", &fn, 12000,
+                                         cudaEnableDefault, &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess && fn && st->exports && st->imports) {
+      st->get_attrs = (CUresult(*)(unsigned, CUpointer_attribute *, void **, CUdeviceptr))fn;
+      mine.ev_ok = 1;
+    }
+  }
   cudaGetLastError(); /* a failure above is reported through the agreement, not later */
   struct ipc_card *all = calloc((size_t)comm->nranks, sizeof *all);
   int32_t *oks = calloc((size_t)comm->nranks, sizeof *oks);
+  st->ev_peer = calloc((size_t)comm->nranks, sizeof *st->ev_peer);
   chorus_result_t res = CHORUS_SUCCESS;
-  if (!all || !oks) {
+  if (!all || !oks || !st->ev_peer) {
     res = comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d: out of memory", comm->rank);
     goto out;
   }
   CHECK_GOTO(bs_allgather(comm, "cuda-ipc", &mine, all, sizeof mine), res, out);
-  int32_t ok = 1;
+  int32_t ok = 1, same = 1;
   char links[256] = "";
   size_t used = 0;
   for (int p = 0; p < comm->nranks; p++) {
     if (!all[p].ok) ok = 0;
-    if (p == comm->rank || !ok) continue;
+    if (!all[p].ev_ok || memcmp(all[p].uuid, mine.uuid, sizeof mine.uuid)) same = 0;
+  }
+  for (int p = 0; p < comm->nranks; p++) {
+    if (p == comm->rank) continue;
+    if (same && cudaIpcOpenEventHandle(&st->ev_peer[p], all[p].event) != cudaSuccess) {
+      cudaGetLastError();
+      st->ev_peer[p] = NULL;
+      INFO(SUB_TRANSPORT, comm->rank, "cuda: cannot open the IPC event of rank %d", p);
+      same = 0;
+    }
+    if (!ok) continue;
     void *ptr = NULL;
     if (cudaIpcOpenMemHandle(&ptr, all[p].handle, cudaIpcMemLazyEnablePeerAccess) !=
         cudaSuccess) {
       cudaGetLastError();
       INFO(SUB_TRANSPORT, comm->rank, "cuda: cannot map the scratch of rank %d (cuda:%d, %s)",
-           p, all[p].device, link_name(st->device, all[p].device));
+           p, all[p].device, link_name(&mine, &all[p]));
       ok = 0;
       continue;
     }
     st->peer[comm->local_rank_of[p]] = ptr;
     if (used + 40 < sizeof links)
       used += (size_t)snprintf(links + used, sizeof links - used, "%s%d:%s", used ? " " : "", p,
-                               link_name(st->device, all[p].device));
+                               link_name(&mine, &all[p]));
   }
   st->peer[me] = st->scratch;
-  CHECK_GOTO(bs_allgather(comm, "cuda-ipc-ok", &ok, oks, sizeof ok), res, out);
+  st->ev_peer[comm->rank] = st->ev_mine;
+  int32_t bits = (ok ? 1 : 0) | (same ? 2 : 0);
+  CHECK_GOTO(bs_allgather(comm, "cuda-ipc-ok", &bits, oks, sizeof bits), res, out);
   st->ipc_ok = 1;
-  for (int p = 0; p < comm->nranks; p++)
-    if (!oks[p]) st->ipc_ok = 0;
+  st->same_gpu = 1;
+  for (int p = 0; p < comm->nranks; p++) {
+    if (!(oks[p] & 1)) st->ipc_ok = 0;
+    if (!(oks[p] & 2)) st->same_gpu = 0;
+  }
+  if (st->same_gpu)
+    INFO(SUB_TRANSPORT, comm->rank, "cuda: all %d ranks on one GPU (cuda:%d here): rank 0 "
+         "runs device collectives on every rank's buffers, ordered by IPC events",
+         comm->nranks, st->device);
   if (st->ipc_ok)
     INFO(SUB_TRANSPORT, comm->rank, "cuda: rank %d on cuda:%d maps %d peers through CUDA IPC "
          "(%s), scratch 2 x %zu bytes", comm->rank, st->device, comm->nranks - 1, links,
@@ -347,6 +432,10 @@ static chorus_result_t ipc_setup(struct chorus_comm *comm, struct cuda_state *st
          "collectives staged through host memory");
 out:
   if (!st->ipc_ok) ipc_release(st, comm->nlocal, me);
+  if (!st->same_gpu) {
+    events_release(st, comm->nranks);
+    sg_release(st);
+  }
   free(all);
   free(oks);
   (void)op;
@@ -439,7 +528,7 @@ static chorus_result_t staging_for(struct chorus_comm *comm, struct cuda_state *
 }
 
 /* On the thread that submits a device operation, before it is queued: the calls that may
- * synchronise the device (see chorus_cuda_ready) happen here, where blocking for a moment
+ * synchronise the device (see above chorus_cuda_begin) happen here, where blocking for a moment
  * is harmless, never on the engine thread. Makes the state at the first device operation
  * and sets up CUDA IPC at the first device collective (a collective step: every rank
  * submits its collectives in the same order). A failure fails the communicator. */
@@ -484,18 +573,19 @@ static size_t extent(const size_t *counts, const size_t *displs, int n) {
   return e;
 }
 
-/* Bytes of input (sbytes) and output (rbytes) this rank has in op. */
-static void extents(const struct chorus_comm *comm, const struct op *op, size_t *sbytes,
-                    size_t *rbytes) {
+/* Bytes of input (sbytes) and output (rbytes) rank `rank` has in op (as this rank sees the
+ * op: the per-rank parts of the v-variants are this rank's). */
+static void rank_extents(const struct chorus_comm *comm, const struct op *op, int rank,
+                         size_t *sbytes, size_t *rbytes) {
   const size_t es = dtype_size(op->dtype);
-  const int n = comm->nranks, root_me = comm->rank == op->root;
+  const int n = comm->nranks, root_me = rank == op->root;
   size_t s = 0, r = 0;
   switch (op->kind) {
     case OP_ALLREDUCE: s = r = op->count; break;
     case OP_BROADCAST: s = r = op->count; break;
     case OP_REDUCE: s = op->count; r = root_me ? op->count : 0; break;
-    case OP_ALLGATHER: s = op->counts[comm->rank]; r = extent(op->counts, op->displs, n); break;
-    case OP_REDUCE_SCATTER: s = op->count; r = op->counts[comm->rank]; break;
+    case OP_ALLGATHER: s = op->counts[rank]; r = extent(op->counts, op->displs, n); break;
+    case OP_REDUCE_SCATTER: s = op->count; r = op->counts[rank]; break;
     case OP_GATHER: s = op->count; r = root_me ? op->count * (size_t)n : 0; break;
     case OP_SCATTER: s = root_me ? op->count * (size_t)n : 0; r = op->count; break;
     case OP_ALLTOALL:
@@ -504,8 +594,16 @@ static void extents(const struct chorus_comm *comm, const struct op *op, size_t 
       break;
     default: break;
   }
-  *sbytes = op->sendbuf ? s * es : 0;
-  *rbytes = op->recvbuf ? r * es : 0;
+  *sbytes = s * es;
+  *rbytes = r * es;
+}
+
+/* This rank's own extents; none for a buffer it did not pass. */
+static void extents(const struct chorus_comm *comm, const struct op *op, size_t *sbytes,
+                    size_t *rbytes) {
+  rank_extents(comm, op, comm->rank, sbytes, rbytes);
+  if (!op->sendbuf) *sbytes = 0;
+  if (!op->recvbuf) *rbytes = 0;
 }
 
 /* The size of a collective as every rank sees it (the path chosen from it must be the same
@@ -606,6 +704,307 @@ static chorus_result_t staged(struct chorus_comm *comm, struct cuda_state *st, s
   return CHORUS_SUCCESS;
 }
 
+/* ------------------------------------------------------------------ same GPU */
+/* The caches: IPC handles of this rank's allocations (handing a handle out again is free),
+ * and, on the executor, peers' allocations mapped here. Both keyed by the driver's buffer
+ * id, unique per allocation within a process, so a freed and reallocated range is never
+ * mistaken for the old one. */
+#define SG_EXEC 0 /* the executing rank */
+
+/* One buffer as its owner describes it; id 0: no buffer. */
+struct sg_ref {
+  uint64_t id, off, bytes;
+  cudaIpcMemHandle_t h;
+};
+struct sg_desc {
+  int32_t ok; /* 0: a buffer cannot be exported (e.g. not from cudaMalloc) */
+  int32_t pad;
+  struct sg_ref send, recv;
+};
+struct sg_reply {
+  int32_t run; /* 1: the executor queued the collective; 0: every rank takes another path */
+  int32_t pad;
+};
+
+static int sg_attrs(struct cuda_state *st, const void *ptr, unsigned long long *id,
+                    CUdeviceptr *start, size_t *size) {
+  CUpointer_attribute at[3] = {CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                               CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                               CU_POINTER_ATTRIBUTE_RANGE_SIZE};
+  void *data[3] = {id, start, size};
+  *id = 0;
+  *start = 0;
+  *size = 0;
+  return st->get_attrs && st->get_attrs(3, at, data, (CUdeviceptr)(uintptr_t)ptr) ==
+                              CUDA_SUCCESS && *id && *start;
+}
+
+/* Fills ref for `bytes` at ptr (nothing when there is no buffer); 0 if it cannot be shared. */
+static int sg_describe(struct cuda_state *st, const void *ptr, size_t bytes,
+                       struct sg_ref *ref) {
+  memset(ref, 0, sizeof *ref);
+  if (!ptr || !bytes) return 1;
+  unsigned long long id;
+  CUdeviceptr start;
+  size_t size;
+  if (!sg_attrs(st, ptr, &id, &start, &size)) return 0;
+  ref->id = id;
+  ref->off = (uint64_t)((uintptr_t)ptr - (uintptr_t)start);
+  ref->bytes = bytes;
+  if (ref->off + bytes > size) return 0;
+  struct sg_export *e = NULL, *lru = &st->exports[0];
+  for (int i = 0; i < SG_EXPORTS; i++) {
+    if (st->exports[i].id == id) e = &st->exports[i];
+    if (st->exports[i].last < lru->last) lru = &st->exports[i];
+  }
+  if (!e) {
+    cudaIpcMemHandle_t h;
+    if (cudaIpcGetMemHandle(&h, (void *)(uintptr_t)start) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    e = lru;
+    e->id = id;
+    e->h = h;
+  }
+  e->last = ++st->use_clock;
+  ref->h = e->h;
+  return 1;
+}
+
+/* The executor's address of a peer's buffer, or NULL (then every rank takes another path).
+ * The mapping's real size bounds what the peer may name. */
+static uint8_t *sg_import(struct cuda_state *st, int rank, const struct sg_ref *ref) {
+  struct sg_import *m = NULL, *lru = &st->imports[0];
+  for (int i = 0; i < SG_IMPORTS; i++) {
+    struct sg_import *c = &st->imports[i];
+    if (c->base && c->rank == rank && c->id == ref->id) m = c;
+    /* an empty slot, else the least recently used */
+    if (lru->base && (!c->base || c->last < lru->last)) lru = c;
+  }
+  if (!m) {
+    if (lru->base) {
+      /* queued work may still use the mapping */
+      if (cudaStreamSynchronize(st->stream) != cudaSuccess) return NULL;
+      cudaIpcCloseMemHandle(lru->base);
+      lru->base = NULL;
+    }
+    void *base = NULL;
+    if (cudaIpcOpenMemHandle(&base, ref->h, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess) {
+      cudaGetLastError();
+      return NULL;
+    }
+    unsigned long long id;
+    CUdeviceptr start;
+    size_t size = 0;
+    if (!sg_attrs(st, base, &id, &start, &size) || (uintptr_t)start != (uintptr_t)base) {
+      cudaIpcCloseMemHandle(base);
+      return NULL;
+    }
+    m = lru;
+    m->rank = rank;
+    m->id = ref->id;
+    m->base = base;
+    m->size = size;
+  }
+  m->last = ++st->use_clock;
+  if (ref->off > m->size || ref->bytes > m->size - ref->off) return NULL;
+  return m->base + ref->off;
+}
+
+static void sg_release(struct cuda_state *st) {
+  if (st->imports)
+    for (int i = 0; i < SG_IMPORTS; i++)
+      if (st->imports[i].base) cudaIpcCloseMemHandle(st->imports[i].base);
+  free(st->imports);
+  free(st->exports);
+  st->imports = NULL;
+  st->exports = NULL;
+}
+
+/* Which collectives the executor runs: the decision must be the same on every rank, so it
+ * depends on the call alone (what each rank's buffers allow is settled in the exchange). */
+static int sg_eligible(const struct chorus_comm *comm, const struct op *op) {
+  const int n = comm->nranks;
+  const int premul = op->op.kind == CHORUS_PREMUL_SUM;
+  switch (op->kind) {
+    case OP_ALLREDUCE:
+    case OP_REDUCE: return !premul;
+    case OP_BROADCAST: return 1;
+    case OP_ALLGATHER:
+      return counts_uniform(op->counts, n) && displs_packed(op->counts, op->displs, n);
+    case OP_REDUCE_SCATTER:
+      return !premul && counts_uniform(op->counts, n) && op->counts[0] * (size_t)n == op->count;
+    case OP_ALLTOALL:
+      if (!op->uniform) return 0;
+      for (int p = 0; p < n; p++)
+        if (op->counts[p] != op->counts[0] || op->counts2[p] != op->counts[0] ||
+            op->displs[p] != (size_t)p * op->counts[0] ||
+            op->displs2[p] != (size_t)p * op->counts[0])
+          return 0;
+      return 1;
+    default: return 0;
+  }
+}
+
+static int disjoint(const uint8_t *a, size_t na, const uint8_t *b, size_t nb) {
+  return !na || !nb || a + na <= b || b + nb <= a;
+}
+
+/* The executor: every rank's buffers in its address space, then the device work. */
+static chorus_result_t sg_run(struct chorus_comm *comm, struct op *op, const void *const *descs,
+                              void *reply_out, void *arg) {
+  struct cuda_state *st = arg;
+  struct sg_reply rep = {0, 0};
+  const int n = comm->nranks;
+  const size_t es = dtype_size(op->dtype);
+  uint8_t *S[CUDA_REDUCE_MAX_IN], *R[CUDA_REDUCE_MAX_IN];
+  size_t sb[CUDA_REDUCE_MAX_IN], rb[CUDA_REDUCE_MAX_IN];
+  const char *why = NULL;
+  for (int p = 0; p < n; p++) {
+    rank_extents(comm, op, p, &sb[p], &rb[p]);
+    if (op->kind == OP_BROADCAST) sb[p] = 0; /* one buffer: the root's is the source */
+    if (op->kind == OP_REDUCE && p != op->root) rb[p] = 0;
+    if (p == comm->rank) {
+      S[p] = sb[p] ? (uint8_t *)op->sendbuf : NULL;
+      R[p] = rb[p] ? (uint8_t *)op->recvbuf : NULL;
+      continue;
+    }
+    const struct sg_desc *d = descs[p];
+    S[p] = R[p] = NULL;
+    if (!d->ok) {
+      why = "a rank's buffer cannot be shared through CUDA IPC";
+      goto out;
+    }
+    /* what the peer names must be what the call needs */
+    if ((sb[p] && (d->send.bytes != sb[p] || !d->send.id)) ||
+        (rb[p] && (d->recv.bytes != rb[p] || !d->recv.id))) {
+      why = "a rank described buffers of other sizes";
+      goto out;
+    }
+    if ((sb[p] && !(S[p] = sg_import(st, p, &d->send))) ||
+        (rb[p] && !(R[p] = sg_import(st, p, &d->recv)))) {
+      why = "a rank's buffer cannot be mapped here";
+      goto out;
+    }
+  }
+  const size_t blk = op->kind == OP_ALLGATHER    ? op->counts[0] * es
+                     : op->kind == OP_ALLTOALL || op->kind == OP_REDUCE_SCATTER
+                         ? op->counts[0] * es
+                         : 0;
+  /* aliasing: the in-place forms, or none at all */
+  for (int p = 0; p < n; p++) {
+    int ok;
+    switch (op->kind) {
+      case OP_ALLGATHER: ok = S[p] == R[p] + (size_t)p * blk || disjoint(S[p], sb[p], R[p], rb[p]); break;
+      case OP_REDUCE_SCATTER: ok = R[p] == S[p] + (size_t)p * blk || disjoint(S[p], sb[p], R[p], rb[p]); break;
+      case OP_ALLTOALL: ok = disjoint(S[p], sb[p], R[p], rb[p]); break;
+      default: ok = S[p] == R[p] || disjoint(S[p], sb[p], R[p], rb[p]); break;
+    }
+    if (!ok) {
+      why = "a rank's input and output overlap";
+      goto out;
+    }
+  }
+  for (int p = 0; p < n; p++)
+    if (p != comm->rank)
+      CU(comm, op, cudaStreamWaitEvent(st->stream, st->ev_peer[p], 0),
+         "cudaStreamWaitEvent on a peer's IPC event");
+  const chorus_op_kind_t kind = base_op(op->op.kind);
+  const int divisor = op->op.kind == CHORUS_AVG ? n : 1;
+  cudaError_t e = cudaSuccess;
+  void *dst[CUDA_REDUCE_MAX_IN * CUDA_REDUCE_MAX_IN];
+  const void *src[CUDA_REDUCE_MAX_IN * CUDA_REDUCE_MAX_IN];
+  size_t len[CUDA_REDUCE_MAX_IN * CUDA_REDUCE_MAX_IN];
+  int m = 0;
+  switch (op->kind) {
+    case OP_ALLREDUCE:
+      e = (cudaError_t)chorus_cuda_reduce_multi((void *const *)R, n, (const void *const *)S, n,
+                                                op->count, op->dtype, kind, divisor,
+                                                st->stream);
+      break;
+    case OP_REDUCE:
+      e = (cudaError_t)chorus_cuda_reduce_multi((void *const *)&R[op->root], 1,
+                                                (const void *const *)S, n, op->count,
+                                                op->dtype, kind, divisor, st->stream);
+      break;
+    case OP_REDUCE_SCATTER:
+      for (int r = 0; r < n && e == cudaSuccess; r++) {
+        const void *in[CUDA_REDUCE_MAX_IN];
+        for (int p = 0; p < n; p++) in[p] = S[p] + (size_t)r * blk;
+        e = (cudaError_t)chorus_cuda_reduce_multi((void *const *)&R[r], 1, in, n,
+                                                  op->counts[r], op->dtype, kind, divisor,
+                                                  st->stream);
+      }
+      break;
+    case OP_BROADCAST:
+      for (int p = 0; p < n; p++) {
+        dst[m] = R[p];
+        src[m] = R[op->root];
+        len[m++] = rb[p];
+      }
+      break;
+    case OP_ALLGATHER:
+      for (int r = 0; r < n; r++)
+        for (int p = 0; p < n; p++) {
+          dst[m] = R[r] + (size_t)p * blk;
+          src[m] = S[p];
+          len[m++] = blk;
+        }
+      break;
+    case OP_ALLTOALL:
+      for (int q = 0; q < n; q++)
+        for (int p = 0; p < n; p++) {
+          dst[m] = R[q] + (size_t)p * blk;
+          src[m] = S[p] + (size_t)q * blk;
+          len[m++] = blk;
+        }
+      break;
+    default: break;
+  }
+  if (e == cudaSuccess && m)
+    e = (cudaError_t)chorus_cuda_copy_batch(dst, src, len, m, st->stream);
+  if (e != cudaSuccess) return cuda_fail(comm, op, e, "same-GPU collective kernel");
+  CU(comm, op, cudaEventRecord(st->ev_mine, st->stream), "cudaEventRecord of the IPC event");
+  rep.run = 1;
+out:
+  if (why)
+    INFO(SUB_COLL, comm->rank, "cuda: %s seq %llu not run on the shared GPU (%s): taking "
+         "another path", op_kind_name(op->kind), (unsigned long long)op->seq, why);
+  memcpy(reply_out, &rep, sizeof rep);
+  return CHORUS_SUCCESS;
+}
+
+/* Every rank: describe, exchange, and (when the executor ran it) order this rank's stream
+ * after the executor's work. *ran = 0: nothing was queued, the caller takes another path. */
+static chorus_result_t same_gpu(struct chorus_comm *comm, struct cuda_state *st, struct op *op,
+                                int *ran) {
+  struct sg_desc d;
+  memset(&d, 0, sizeof d);
+  *ran = 0;
+  if (comm->rank != SG_EXEC) {
+    size_t sbytes, rbytes;
+    extents(comm, op, &sbytes, &rbytes);
+    if (op->kind == OP_BROADCAST) sbytes = 0;
+    /* the executor may read this rank's buffers once the caller's work before them is done */
+    CU(comm, op, cudaEventRecord(st->ev_mine, st->stream), "cudaEventRecord of the IPC event");
+    d.ok = sg_describe(st, op->sendbuf, sbytes, &d.send) &&
+           sg_describe(st, op->recvbuf, rbytes, &d.recv);
+  }
+  op->algo = ALGO_ONESHOT; /* the fingerprint's algorithm: every rank takes this path */
+  struct sg_reply rep;
+  CHECK(shm_delegate(comm, op, SG_EXEC, &d, sizeof d, &rep, sizeof rep, sg_run, st));
+  if (!rep.run) return CHORUS_SUCCESS;
+  if (comm->rank != SG_EXEC)
+    CU(comm, op, cudaStreamWaitEvent(st->stream, st->ev_peer[SG_EXEC], 0),
+       "cudaStreamWaitEvent on the executor's IPC event");
+  if (op->end_event)
+    CU(comm, op, cudaEventRecord((cudaEvent_t)op->end_event, st->stream),
+       "cudaEventRecord of the end event");
+  *ran = 1;
+  return CHORUS_SUCCESS;
+}
+
 /* ------------------------------------------------------------------ collectives */
 chorus_result_t cuda_run(struct chorus_comm *comm, struct op *op) {
   struct cuda_state *st = NULL;
@@ -617,6 +1016,21 @@ chorus_result_t cuda_run(struct chorus_comm *comm, struct op *op) {
   int id = ALGO_ONESHOT;
   const size_t bytes = coll_bytes(comm, op);
   const int cls = size_class(bytes);
+  if (st->same_gpu && sg_eligible(comm, op)) {
+    int ran = 0;
+    const int64_t t0 = now_ns();
+    comm->last_algo = ALGO_ONESHOT;
+    trace_op_algo(comm, op);
+    CHECK(same_gpu(comm, st, op, &ran));
+    if (ran) {
+      TRACE(SUB_COLL, comm->rank, "cuda: %s seq %llu queued on the shared GPU by rank %d",
+            op_kind_name(op->kind), (unsigned long long)op->seq, SG_EXEC);
+      st->n_sg[cls]++;
+      st->ns_sg[cls] += (uint64_t)(now_ns() - t0);
+      return CHORUS_SUCCESS;
+    }
+    st->n_sg_fallback++;
+  }
   if (st->ipc_ok && bytes > (size_t)param_int(PARAM_CUDA_HOST_MAX)) {
     switch (op->kind) {
       case OP_ALLREDUCE:
@@ -657,7 +1071,7 @@ chorus_result_t cuda_run(struct chorus_comm *comm, struct op *op) {
 /* ------------------------------------------------------------------ point-to-point */
 static chorus_result_t p2p_staging(struct chorus_comm *comm, struct op *op) {
   /* pageable: cudaHostAlloc and cudaFreeHost would synchronise the device (see
-   * chorus_cuda_ready) */
+   * the note above chorus_cuda_begin) */
   size_t bytes = op->count * dtype_size(op->dtype);
   op->staging = malloc(bytes ? bytes : 1);
   if (!op->staging) return staging_nomem(comm, op, bytes);
@@ -723,13 +1137,19 @@ void cuda_teardown(struct chorus_comm *comm) {
   for (int c = 0; c < 4; c++) {
     const double ns = st->n_staged[c] ? (double)st->n_staged[c] : 1.0;
     const double ni = st->n_ipc[c] ? (double)st->n_ipc[c] : 1.0;
-    if (st->n_staged[c] || st->n_ipc[c])
+    const double ng = st->n_sg[c] ? (double)st->n_sg[c] : 1.0;
+    if (st->n_staged[c] || st->n_ipc[c] || st->n_sg[c])
       INFO(SUB_COLL, comm->rank, "cuda: %llu collectives of %s bytes staged (mean us: %.1f to "
-           "the host, %.1f host algorithm, %.1f back), %llu over CUDA IPC (mean %.1f us)",
+           "the host, %.1f host algorithm, %.1f back), %llu over CUDA IPC (mean %.1f us), "
+           "%llu queued on the shared GPU (mean %.1f us of host time)",
            (unsigned long long)st->n_staged[c], cls[c], st->ns_in[c] / 1e3 / ns,
            st->ns_host[c] / 1e3 / ns, st->ns_out[c] / 1e3 / ns,
-           (unsigned long long)st->n_ipc[c], st->ns_ipc[c] / 1e3 / ni);
+           (unsigned long long)st->n_ipc[c], st->ns_ipc[c] / 1e3 / ni,
+           (unsigned long long)st->n_sg[c], st->ns_sg[c] / 1e3 / ng);
   }
+  if (st->n_sg_fallback)
+    INFO(SUB_COLL, comm->rank, "cuda: %llu collectives could not run on the shared GPU (see "
+         "the earlier lines for why)", (unsigned long long)st->n_sg_fallback);
   cudaSetDevice(st->device);
   if (st->ipc_ok && comm->shm) {
     /* peers may still read this rank's scratch for the last chunks: wait (bounded, a peer
@@ -744,6 +1164,24 @@ void cuda_teardown(struct chorus_comm *comm) {
     }
   }
   if (st->stream) cudaStreamSynchronize(st->stream);
+  if (st->same_gpu && comm->shm) {
+    /* peers' streams may still wait on this rank's IPC event, and the executor's kernels
+     * read every rank's buffers: each rank says when its device work is all done, and the
+     * events and mappings go once every rank has said so (bounded: a peer may be dead) */
+    atomic_store_explicit(&shm_flags_of(comm, comm->local_rank_of[comm->rank])->gpu_idle, 1,
+                          memory_order_release);
+    shm_notify_local(comm);
+    int64_t end = now_ns() + (int64_t)TEARDOWN_WAIT_MS * 1000000LL;
+    for (int p = 0; p < comm->nranks; p++) {
+      if (p == comm->rank) continue;
+      struct shm_flags *f = shm_flags_of(comm, comm->local_rank_of[p]);
+      while (!atomic_load_explicit(&f->gpu_idle, memory_order_acquire) && now_ns() < end &&
+             shm_failed_peer(comm) < 0)
+        shm_wait_doorbell(comm, shm_doorbell_value(comm), 1000);
+    }
+  }
+  sg_release(st);
+  events_release(st, comm->nranks);
   ipc_release(st, comm->nlocal, comm->local_rank_of[comm->rank]);
   if (st->stream) cudaStreamDestroy(st->stream);
   if (st->p2p) cudaStreamDestroy(st->p2p);

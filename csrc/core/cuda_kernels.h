@@ -27,6 +27,19 @@ extern "C" {
  * CUDA_REDUCE_MAX_IN. out may equal any in[k] (same address); no other overlap. */
 int chorus_cuda_reduce(void *out, const void *const *in, int n, size_t count,
                        chorus_dtype_t dtype, chorus_op_kind_t op, int divisor, void *stream);
+/* chorus_cuda_reduce with the one result written to each of out[0..nout-1] (1 <= nout <=
+ * CUDA_REDUCE_MAX_IN): every input element is read once, whatever the number of outputs.
+ * Each output may equal any in[k]; no other overlap. */
+int chorus_cuda_reduce_multi(void *const *out, int nout, const void *const *in, int n,
+                             size_t count, chorus_dtype_t dtype, chorus_op_kind_t op,
+                             int divisor, void *stream);
+/* Most copies one copy launch carries (more: several launches). */
+#define CUDA_COPY_BATCH_MAX 64
+/* dst[k][0..bytes[k]) = src[k][...] for k < n, byte for byte, in as few launches as the
+ * batch size allows. Entries with dst == src or no bytes are skipped. No destination may
+ * overlap another entry's source or destination. */
+int chorus_cuda_copy_batch(void *const *dst, const void *const *src, const size_t *bytes,
+                           int n, void *stream);
 /* out[i] = in[i] * factor, rounded as reduce_premul does on the CPU. out may equal in. */
 int chorus_cuda_premul(void *out, const void *in, size_t count, chorus_dtype_t dtype,
                        double factor, void *stream);

@@ -426,6 +426,95 @@ static void check_arguments(void) {
   CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
+/* ------------------------------------------------------------------ several outputs, copies */
+static void expect_same(const char *what, const uint8_t *dev_a, const uint8_t *dev_b,
+                        size_t bytes) {
+  static uint8_t *ha, *hb;
+  if (!ha) {
+    ha = (uint8_t *)malloc(MAXC * 8 + 64);
+    hb = (uint8_t *)malloc(MAXC * 8 + 64);
+  }
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  CUDA_CHECK(cudaMemcpy(ha, dev_a, bytes, cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(hb, dev_b, bytes, cudaMemcpyDeviceToHost));
+  if (memcmp(ha, hb, bytes) == 0) {
+    passed++;
+    return;
+  }
+  size_t i = 0;
+  while (ha[i] == hb[i]) i++;
+  failed++;
+  if (reports++ < MAX_REPORTS)
+    printf("MISMATCH %s: byte %zu of %zu: 0x%02x, want 0x%02x\n", what, i, bytes, ha[i], hb[i]);
+}
+
+/* chorus_cuda_reduce_multi writes chorus_cuda_reduce's (CPU-checked) result to every output,
+ * an output at an input's address included (the same-GPU all_reduce, in place); and
+ * chorus_cuda_copy_batch copies every entry byte for byte at any alignment. */
+static void check_multi_and_copy(void) {
+  static const chorus_dtype_t dts[] = {CHORUS_FLOAT32, CHORUS_BFLOAT16, CHORUS_INT8,
+                                       CHORUS_FLOAT64};
+  static const size_t counts[] = {0, 1, 17, 4099, MAXC - 3};
+  const int n = 4, nout = 4;
+  uint8_t *ref, *outs[4], *ins[4];
+  size_t bytes = (MAXC + 1) * 8;
+  CUDA_CHECK(cudaMalloc((void **)&ref, bytes));
+  for (int o = 0; o < nout; o++) CUDA_CHECK(cudaMalloc((void **)&outs[o], bytes));
+  for (int k = 0; k < n; k++) CUDA_CHECK(cudaMalloc((void **)&ins[k], bytes));
+  for (size_t di = 0; di < LEN(dts); di++) {
+    chorus_dtype_t dt = dts[di];
+    fill_inputs(dt, dt == CHORUS_INT8 ? INTS : ARITH);
+    for (size_t ci = 0; ci < LEN(counts); ci++) {
+      size_t count = counts[ci], es = ES[dt];
+      for (int k = 0; k < n; k++)
+        CUDA_CHECK(cudaMemcpy(ins[k], h_in[k], count * es, cudaMemcpyHostToDevice));
+      const void *in[4] = {ins[0], ins[1], ins[2], ins[3]};
+      int rc = chorus_cuda_reduce(ref, in, n, count, dt, CHORUS_SUM, 1, stream);
+      expect_rc("reduce for reduce_multi", rc, 0);
+      /* outputs: three separate ones and, in place, input 2 */
+      void *out[4] = {outs[0], outs[1], outs[2], ins[2]};
+      rc = chorus_cuda_reduce_multi(out, nout, in, n, count, dt, CHORUS_SUM, 1, stream);
+      expect_rc("reduce_multi", rc, 0);
+      char what[96];
+      for (int o = 0; o < nout; o++) {
+        snprintf(what, sizeof what, "reduce_multi %s count %zu output %d", DTYPE_NAME[dt],
+                 count, o);
+        expect_same(what, (const uint8_t *)out[o], ref, count * es);
+      }
+    }
+  }
+  /* copies: entries of many sizes and (mis)alignments, one batch of more than one launch */
+  const int entries = CUDA_COPY_BATCH_MAX + 5;
+  void *dst[CUDA_COPY_BATCH_MAX + 5];
+  const void *src[CUDA_COPY_BATCH_MAX + 5];
+  size_t len[CUDA_COPY_BATCH_MAX + 5];
+  fill_inputs(CHORUS_UINT8, INTS);
+  CUDA_CHECK(cudaMemcpy(ins[0], h_in[0], MAXC, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemset(outs[0], 0, bytes));
+  size_t at = 0;
+  for (int k = 0; k < entries; k++) {
+    size_t l = k == 0 ? 0 : k % 7 == 0 ? 65537 + (size_t)k : (size_t)(rnd() % 300);
+    size_t so = rnd() % 32, dof = rnd() % 32;
+    if (at + dof + l + 64 > MAXC * 8 || so + l > MAXC) l = 1;
+    src[k] = ins[0] + so;
+    dst[k] = outs[0] + at + dof;
+    len[k] = l;
+    at += dof + l + 64;
+  }
+  expect_rc("copy_batch", chorus_cuda_copy_batch(dst, src, len, entries, stream), 0);
+  for (int k = 0; k < entries; k++) {
+    char what[64];
+    snprintf(what, sizeof what, "copy_batch entry %d (%zu bytes)", k, len[k]);
+    if (len[k]) expect_same(what, (const uint8_t *)dst[k], (const uint8_t *)src[k], len[k]);
+  }
+  expect_rc("copy_batch n < 0", chorus_cuda_copy_batch(dst, src, len, -1, stream),
+            (int)cudaErrorInvalidValue);
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  CUDA_CHECK(cudaFree(ref));
+  for (int o = 0; o < nout; o++) CUDA_CHECK(cudaFree(outs[o]));
+  for (int k = 0; k < n; k++) CUDA_CHECK(cudaFree(ins[k]));
+}
+
 /* ------------------------------------------------------------------ main */
 static void *host_alloc(size_t bytes) {
   void *p = malloc(bytes);
@@ -472,6 +561,7 @@ int main(int argc, char **argv) {
   printf("test_kernels: %s, seed 0x%llx\n", prop.name, (unsigned long long)rng);
   setup();
   check_arguments();
+  check_multi_and_copy();
   for (int dt = 0; dt < CHORUS_DTYPE_COUNT; dt++) sweep_dtype((chorus_dtype_t)dt);
   teardown();
   printf("test_kernels: %ld cases passed, %ld failed\n", passed, failed);

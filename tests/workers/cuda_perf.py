@@ -12,10 +12,14 @@
   cuda_perf.py bandwidth [--iters 10] [--max 1G]
       the device-to-device copy bandwidth (rank 0 alone, tensor.copy_ of 1 GiB, bytes read +
       written), then float32 all_reduce of 64 MiB .. MAX: per size the slowest rank's mean
-      time over ITERS ops, and the HBM traffic the algorithm moves (docs/PERFORMANCE.md):
-      two-shot over CUDA IPC, N ranks, S bytes each: every rank copies S into its scratch
-      (S read + S written), reduces its slice of all N scratches (S read, S/N written) and
-      copies the N reduced slices out (S read + S written): (5 N + 1) S bytes in all.
+      time over ITERS ops, and the HBM traffic the path moves (docs/PERFORMANCE.md), N ranks
+      of S bytes each:
+        shared GPU (the default with every rank on one GPU): one kernel reads every rank's
+          input once and writes every rank's output once: 2 N S bytes, the least any
+          all_reduce of N separate buffers can move.
+        scratch (CHORUS_CUDA_SAME_GPU=0), two-shot over CUDA IPC: every rank copies S into
+          its scratch (S read + S written), reduces its slice of all N scratches (S read, S/N
+          written) and copies the N reduced slices out (S read + S written): (5 N + 1) S.
 
 Every result is checked (exact, integers in float32). Rank 0 prints one line
 "RESULT {json}" per measurement.
@@ -127,11 +131,13 @@ def bandwidth(rank, world, dev, args):
         torch.cuda.synchronize()
         ok = bool((t == world * (world + 1) / 2).all())
         ms = slowest(ms)
-        traffic = (5 * world + 1) * size
+        shared = os.environ.get("CHORUS_CUDA_SAME_GPU", "1") != "0"
+        traffic = (2 * world if shared else 5 * world + 1) * size
         hbm = traffic / (ms * 1e-3) / 1e9
         report(rank, test="allreduce_bw", bytes=size, ranks=world, ms=ms,
                algbw_gbps=size / (ms * 1e-3) / 1e9,
                busbw_gbps=size / (ms * 1e-3) / 1e9 * 2 * (world - 1) / world,
+               path="shared GPU" if shared else "scratch two-shot",
                traffic_bytes=traffic, hbm_gbps=hbm, of_copy=hbm / copy_gbs, correct=ok)
         if not ok:
             raise SystemExit(f"wrong all_reduce result at {size} bytes")

@@ -160,6 +160,15 @@ chorus_result_t oneshot_alltoall(struct chorus_comm *comm, struct op *op);
 chorus_result_t oneshot_barrier(struct chorus_comm *comm, struct op *op);
 /* Topology and shape checks of the two ids above. */
 int shm_direct_ok(const struct chorus_comm *comm, const struct op *op, int id);
+/* Runs on the executing rank with every rank's descriptor (descs[rank], own included) and
+ * writes the reply every rank receives. */
+typedef chorus_result_t (*delegate_fn)(struct chorus_comm *comm, struct op *op,
+                                       const void *const *descs, void *reply, void *arg);
+/* Every rank posts a descriptor, rank exec runs `run` over all of them, every rank gets its
+ * reply (shm_direct.c, for cuda.c's same-GPU path). Every rank of the communicator must be
+ * on this host with shared memory on. */
+chorus_result_t shm_delegate(struct chorus_comm *comm, struct op *op, int exec, const void *mine,
+                             size_t len, void *reply, size_t rlen, delegate_fn run, void *arg);
 
 /* Direct (all-pairs) schedules: algo/direct.c */
 chorus_result_t direct_allreduce(struct chorus_comm *comm, struct op *op);

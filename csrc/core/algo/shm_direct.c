@@ -465,6 +465,45 @@ chorus_result_t oneshot_barrier(struct chorus_comm *comm, struct op *op) {
   return CHORUS_SUCCESS;
 }
 
+/* ------------------------------------------------------------------ delegation */
+/* One exchange of host-memory descriptors through the scratch halves, for a collective
+ * that one rank (exec) runs for everyone (cuda.c's same-GPU path): every rank posts `len`
+ * bytes, with the call's fingerprint, in its own half; exec waits for all of them, `run`
+ * turns them into device work and writes `rlen` bytes of reply after its own descriptor;
+ * every other rank waits for the reply. Nobody waits for the device. The halves and flags
+ * follow the chunk discipline above, so a mismatched call, a dead or a silent peer fail
+ * this exchange the way they fail any direct-access collective. */
+chorus_result_t shm_delegate(struct chorus_comm *comm, struct op *op, int exec, const void *mine,
+                             size_t len, void *reply, size_t rlen, delegate_fn run, void *arg) {
+  struct dx x;
+  dx_init(&x, comm, op);
+  x.dev = 0; /* the descriptors live in host memory: nothing to drain before publishing */
+  x.half = shm_scratch_half(comm);
+  const size_t roff = (len + 63) & ~(size_t)63;
+  if (x.half < roff + rlen || x.n > CHORUS_MAX_LOCAL_DIRECT)
+    return comm_set_error(comm, CHORUS_ERR_INTERNAL, "rank %d: %s seq %llu: %zu bytes of "
+                          "shared scratch are too few for the same-GPU exchange", x.me,
+                          op_kind_name(op->kind), (unsigned long long)op->seq, x.half);
+  uint64_t g;
+  uint8_t *own;
+  CHECK(chunk_begin(&x, 1, &g, &own));
+  memcpy(own, mine, len);
+  CHECK(publish(&x, F_POSTED, g));
+  if (x.me == exec) {
+    const void *descs[CHORUS_MAX_LOCAL_DIRECT];
+    CHECK(wait_flag(&x, F_POSTED, g, -1));
+    for (int p = 0; p < x.n; p++) descs[p] = scratch_of(&x, p, g);
+    CHECK(run(comm, op, descs, own + roff, arg));
+    memcpy(reply, own + roff, rlen);
+    CHECK(publish(&x, F_REDUCED, g));
+  } else {
+    CHECK(wait_flag(&x, F_POSTED, g, exec)); /* checks exec's fingerprint */
+    CHECK(wait_flag(&x, F_REDUCED, g, exec));
+    memcpy(reply, scratch_of(&x, exec, g) + roff, rlen);
+  }
+  return publish(&x, F_DONE, g);
+}
+
 /* ------------------------------------------------------------------ usability */
 int shm_direct_ok(const struct chorus_comm *comm, const struct op *op, int id) {
   if (!comm->shm || comm->nlocal != comm->nranks || comm->nranks > CHORUS_MAX_LOCAL_DIRECT)

@@ -249,23 +249,22 @@ chorus_result_t chorus_tune_plan(const char *collective, size_t bytes,
                                  unsigned flags, chorus_tune_plan_t *plan);
 
 /* ---- CUDA device memory ----
- * Builds with CUDA only (chorus_cuda_built() == 1); elsewhere both calls return
+ * Builds with CUDA only (chorus_cuda_built() == 1); elsewhere chorus_cuda_begin returns
  * CHORUS_ERR_UNSUPPORTED. Between chorus_cuda_begin and chorus_cuda_end on one thread, every
  * operation that thread issues on comm takes its buffers as memory of CUDA device `device`
  * and starts only after `event` (a cudaEvent_t the caller recorded on its stream, or NULL)
  * has completed: the operation is ordered after the caller's stream without blocking the
- * caller. Its request completes once the device data is final (outputs written, inputs no
- * longer read), so a completed request's buffers may be used from any stream. The event must
- * stay valid until those requests complete. One communicator serves one device. */
+ * caller. When its request completes, the operation's device work is queued but may still
+ * run: it is finished once `end_event` (a cudaEvent_t the caller created, or NULL) has
+ * completed. The core records end_event (on its own stream) before the request completes,
+ * or never records it when the data was already final at completion (an event never
+ * recorded counts as complete). So: a caller's stream that waits on end_event after the
+ * request completed is ordered after the operation, and the buffers may be reused once
+ * end_event has completed. Both events must stay valid until then. One communicator serves
+ * one device. */
 int chorus_cuda_built(void);
-/* CHORUS_CUDA_STREAM_WAIT: 1 if waiting on a CUDA operation should make the caller's stream
- * wait (the host goes on), 0 if the host should wait. */
-int chorus_cuda_stream_wait(void);
-/* 1 once comm's CUDA resources are set up: by the submission of its first device operation,
- * on the submitting thread (and CUDA IPC by its first device collective). 0 means that setup
- * failed (the communicator has failed): wait on the host then. */
-int chorus_cuda_ready(chorus_comm_t *comm);
-chorus_result_t chorus_cuda_begin(chorus_comm_t *comm, int device, void *event);
+chorus_result_t chorus_cuda_begin(chorus_comm_t *comm, int device, void *event,
+                                  void *end_event);
 chorus_result_t chorus_cuda_end(chorus_comm_t *comm);
 
 /* ---- Flight recorder ----

@@ -313,8 +313,8 @@ struct Layout {
 
 struct ReduceArgs {
   const void *in[CUDA_REDUCE_MAX_IN];
-  void *out;
-  int n;
+  void *out[CUDA_REDUCE_MAX_IN]; /* every output receives the same result */
+  int n, nout;
   int divisor;
   Layout lay;
 };
@@ -353,13 +353,14 @@ __device__ void reduce_elem(const ReduceArgs &a, size_t i) {
   typedef typename K::T T;
   typename K::A acc = K::load(((const T *)a.in[0])[i]);
   for (int k = 1; k < a.n; k++) acc = Op()(acc, K::load(((const T *)a.in[k])[i]));
-  ((T *)a.out)[i] = finish<K>(acc, a.divisor);
+  const T v = finish<K>(acc, a.divisor);
+  for (int o = 0; o < a.nout; o++) ((T *)a.out[o])[i] = v;
 }
 
 /* U vectors, v + u * stride for u < U, handled together so that each thread has 2U
  * loads in flight (the memory system needs many more bytes in flight than one 16-byte
- * load per thread gives). All inputs of a vector are read before it is written, so out
- * may be any in[k]. */
+ * load per thread gives). All inputs of a vector are read before it is written, so an
+ * output may be any in[k]. */
 template <class K, class Op, int U>
 __device__ void reduce_vecs(const ReduceArgs &a, size_t v, size_t stride) {
   typedef typename K::T T;
@@ -385,8 +386,10 @@ __device__ void reduce_vecs(const ReduceArgs &a, size_t v, size_t stride) {
   for (int u = 0; u < U; u++) {
 #pragma unroll
     for (int l = 0; l < L; l++) x[u].e[l] = finish<K>(acc[u][l], a.divisor);
-    store_vec<T>(a.out, a.lay, v + u * stride, x[u].u);
   }
+  for (int o = 0; o < a.nout; o++)
+#pragma unroll
+    for (int u = 0; u < U; u++) store_vec<T>(a.out[o], a.lay, v + u * stride, x[u].u);
 }
 
 /* Index of the j-th single element: the head, then the tail after the vectors. */
@@ -429,6 +432,43 @@ __global__ void __launch_bounds__(THREADS) premul_kernel(const __grid_constant__
   for (size_t j = start; j < singles; j += stride) {
     size_t i = single_index(a.lay, j, L);
     ((T *)a.out)[i] = D::premul(((const T *)a.in)[i], a.factor);
+  }
+}
+
+/* Copies of a batch: entry blockIdx.y, 16-byte vectors when both ends share a 16-byte
+ * alignment, bytes otherwise. */
+struct CopyArgs {
+  const void *src[CUDA_COPY_BATCH_MAX];
+  void *dst[CUDA_COPY_BATCH_MAX];
+  size_t bytes[CUDA_COPY_BATCH_MAX];
+};
+
+__global__ void __launch_bounds__(THREADS) copy_kernel(const __grid_constant__ CopyArgs a) {
+  const int e = blockIdx.y;
+  const uint8_t *s = (const uint8_t *)a.src[e];
+  uint8_t *d = (uint8_t *)a.dst[e];
+  const size_t n = a.bytes[e];
+  size_t start = thread_index(), stride = grid_threads();
+  size_t head = n, nvec = 0;
+  const uintptr_t mis = (uintptr_t)s & 15u;
+  if (((uintptr_t)d & 15u) == mis) {
+    head = (16 - mis) & 15u;
+    if (head > n) head = n;
+    nvec = (n - head) / 16;
+  }
+  const uint4 *sv = (const uint4 *)(s + head);
+  uint4 *dv = (uint4 *)(d + head);
+  size_t v = start;
+  for (; v + stride < nvec; v += 2 * stride) {
+    uint4 x0 = sv[v], x1 = sv[v + stride];
+    dv[v] = x0;
+    dv[v + stride] = x1;
+  }
+  for (; v < nvec; v += stride) dv[v] = sv[v];
+  const size_t singles = n - nvec * 16;
+  for (size_t j = start; j < singles; j += stride) {
+    size_t i = j < head ? j : j + nvec * 16;
+    d[i] = s[i];
   }
 }
 
@@ -596,16 +636,77 @@ extern "C" int chorus_cuda_reduce(void *out, const void *const *in, int n, size_
   /* One input, already in place and nothing to divide: reduce_n would not touch it. */
   if (n == 1 && out == in[0] && dtype != CHORUS_BOOL && divisor <= 1) return 0;
 
+  return chorus_cuda_reduce_multi(&out, 1, in, n, count, dtype, op, divisor, stream);
+}
+
+extern "C" int chorus_cuda_reduce_multi(void *const *out, int nout, const void *const *in,
+                                        int n, size_t count, chorus_dtype_t dtype,
+                                        chorus_op_kind_t op, int divisor, void *stream) {
+  int base = base_op(dtype, op);
+  if (base < 0 || n < 1 || n > CUDA_REDUCE_MAX_IN || nout < 1 || nout > CUDA_REDUCE_MAX_IN ||
+      !out || !in)
+    return (int)cudaErrorInvalidValue;
+  for (int k = 0; k < n; k++)
+    if (!in[k]) return (int)cudaErrorInvalidValue;
+  for (int o = 0; o < nout; o++)
+    if (!out[o]) return (int)cudaErrorInvalidValue;
+  if (count == 0) return 0;
   ReduceArgs a;
-  const void *ptrs[CUDA_REDUCE_MAX_IN + 1];
+  const void *ptrs[2 * CUDA_REDUCE_MAX_IN];
   for (int k = 0; k < n; k++) a.in[k] = ptrs[k] = in[k];
   for (int k = n; k < CUDA_REDUCE_MAX_IN; k++) a.in[k] = NULL;
-  ptrs[n] = out;
-  a.out = out;
+  /* One input and nothing to divide or normalise: an output at the input's address is
+   * already what reduce_n would leave there. */
+  const int identity = n == 1 && dtype != CHORUS_BOOL && divisor <= 1;
+  a.nout = 0;
+  for (int o = 0; o < nout; o++)
+    if (!(identity && out[o] == in[0])) {
+      ptrs[n + a.nout] = out[o];
+      a.out[a.nout++] = out[o];
+    }
+  if (a.nout == 0) return 0;
+  for (int o = a.nout; o < CUDA_REDUCE_MAX_IN; o++) a.out[o] = NULL;
   a.n = n;
   a.divisor = divisor;
-  a.lay = plan_layout(ptrs, n + 1, dtype_bytes(dtype), count);
+  a.lay = plan_layout(ptrs, n + a.nout, dtype_bytes(dtype), count);
   return reduce_dispatch(dtype, (chorus_op_kind_t)base, a, (cudaStream_t)stream);
+}
+
+extern "C" int chorus_cuda_copy_batch(void *const *dst, const void *const *src,
+                                      const size_t *bytes, int n, void *stream) {
+  if (n < 0 || (n && (!dst || !src || !bytes))) return (int)cudaErrorInvalidValue;
+  int sms;
+  int e = sm_count(&sms);
+  if (e) return e;
+  for (int first = 0; first < n; first += CUDA_COPY_BATCH_MAX) {
+    CopyArgs a;
+    int m = 0;
+    size_t most = 0;
+    for (int k = first; k < n && k < first + CUDA_COPY_BATCH_MAX; k++) {
+      if (!bytes[k] || dst[k] == src[k]) continue;
+      if (!dst[k] || !src[k]) return (int)cudaErrorInvalidValue;
+      a.src[m] = src[k];
+      a.dst[m] = dst[k];
+      a.bytes[m] = bytes[k];
+      if (bytes[k] > most) most = bytes[k];
+      m++;
+    }
+    if (!m) continue;
+    for (int k = m; k < CUDA_COPY_BATCH_MAX; k++) {
+      a.src[k] = NULL;
+      a.dst[k] = NULL;
+      a.bytes[k] = 0;
+    }
+    /* as many blocks per entry as its largest piece needs, all entries together within
+     * BLOCKS_PER_SM per multiprocessor */
+    size_t want = (most / 16 + THREADS - 1) / THREADS;
+    size_t cap = (size_t)BLOCKS_PER_SM * (sms > 0 ? sms : 1) / (size_t)m;
+    unsigned bx = (unsigned)(want < 1 ? 1 : want > cap ? (cap < 1 ? 1 : cap) : want);
+    copy_kernel<<<dim3(bx, (unsigned)m), THREADS, 0, (cudaStream_t)stream>>>(a);
+    e = (int)cudaGetLastError();
+    if (e) return e;
+  }
+  return 0;
 }
 
 extern "C" int chorus_cuda_premul(void *out, const void *in, size_t count, chorus_dtype_t dtype,
