@@ -160,8 +160,9 @@ struct cuda_state {
   uint8_t *scratch;      /* this rank's two halves */
   size_t half;
   uint8_t **peer;        /* [local rank] -> mapped scratch (own included), NULL if unmapped */
-  void *pinned;          /* staging of the staged path: CUDA_SCRATCH bytes, made in setup */
+  void *pinned;          /* staging of the staged path: CUDA_SCRATCH bytes, made at first use */
   size_t pinned_cap;
+  int pinned_tried;
   void *big;             /* pageable staging for what does not fit in `pinned` */
   size_t big_cap;
   _Atomic int ready;     /* setup done: no call from now on synchronises the device */
@@ -287,11 +288,13 @@ struct sg_import {
 static void sg_release(struct cuda_state *st);
 struct ipc_card {
   int32_t ok;       /* scratch allocated and exported */
-  int32_t ev_ok;    /* IPC event made and exported */
   int32_t device;
-  int32_t pad;
-  unsigned char uuid[16]; /* which GPU (a MIG instance has its own) */
   cudaIpcMemHandle_t handle;
+};
+struct gpu_card {
+  int32_t ev_ok;    /* IPC event made and exported, pointer attributes readable */
+  int32_t device;
+  unsigned char uuid[16]; /* which GPU (a MIG instance has its own) */
   cudaIpcEventHandle_t event;
 };
 
@@ -316,18 +319,82 @@ static void events_release(struct cuda_state *st, int nranks) {
 }
 
 /* How this rank reaches the device of a peer, for the log. */
-static const char *link_name(const struct ipc_card *mine, const struct ipc_card *theirs) {
-  if (!memcmp(mine->uuid, theirs->uuid, sizeof mine->uuid)) return "same GPU";
+static const char *link_name(int mine, int theirs) {
+  if (mine == theirs) return "same GPU";
   int can = 0;
-  if (cudaDeviceCanAccessPeer(&can, mine->device, theirs->device) != cudaSuccess || !can)
-    return "no P2P";
+  if (cudaDeviceCanAccessPeer(&can, mine, theirs) != cudaSuccess || !can) return "no P2P";
   return "P2P";
 }
 
+/* Collective over the communicator: are all ranks on one GPU? Each makes and exports an
+ * IPC event, opens everyone else's, and all agree (st->same_gpu). No call here waits for
+ * the device, so the first collective behind a long kernel does not hold the caller. */
+static chorus_result_t same_gpu_setup(struct chorus_comm *comm, struct cuda_state *st) {
+  struct gpu_card mine;
+  memset(&mine, 0, sizeof mine);
+  mine.device = st->device;
+  if (!param_int(PARAM_CUDA_SAME_GPU)) return CHORUS_SUCCESS;
+  struct cudaDeviceProp prop;
+  if (cudaGetDeviceProperties(&prop, st->device) == cudaSuccess &&
+      cudaEventCreateWithFlags(&st->ev_mine, cudaEventDisableTiming | cudaEventInterprocess) ==
+          cudaSuccess &&
+      cudaIpcGetEventHandle(&mine.event, st->ev_mine) == cudaSuccess) {
+    memcpy(mine.uuid, prop.uuid.bytes, sizeof mine.uuid);
+    void *fn = NULL;
+    enum cudaDriverEntryPointQueryResult q;
+    st->exports = calloc(SG_EXPORTS, sizeof *st->exports);
+    st->imports = calloc(SG_IMPORTS, sizeof *st->imports);
+    if (cudaGetDriverEntryPointByVersion("cuPointerGetAttributes", &fn, 12000,
+                                         cudaEnableDefault, &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess && fn && st->exports && st->imports) {
+      st->get_attrs = (CUresult(*)(unsigned, CUpointer_attribute *, void **, CUdeviceptr))fn;
+      mine.ev_ok = 1;
+    }
+  }
+  cudaGetLastError(); /* a failure above is reported through the agreement, not later */
+  struct gpu_card *all = calloc((size_t)comm->nranks, sizeof *all);
+  int32_t *oks = calloc((size_t)comm->nranks, sizeof *oks);
+  st->ev_peer = calloc((size_t)comm->nranks, sizeof *st->ev_peer);
+  chorus_result_t res = CHORUS_SUCCESS;
+  if (!all || !oks || !st->ev_peer) {
+    res = comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d: out of memory", comm->rank);
+    goto out;
+  }
+  CHECK_GOTO(bs_allgather(comm, "cuda-gpu", &mine, all, sizeof mine), res, out);
+  int32_t same = 1;
+  for (int p = 0; p < comm->nranks; p++)
+    if (!all[p].ev_ok || memcmp(all[p].uuid, mine.uuid, sizeof mine.uuid)) same = 0;
+  for (int p = 0; same && p < comm->nranks; p++) {
+    if (p == comm->rank) continue;
+    if (cudaIpcOpenEventHandle(&st->ev_peer[p], all[p].event) != cudaSuccess) {
+      cudaGetLastError();
+      st->ev_peer[p] = NULL;
+      INFO(SUB_TRANSPORT, comm->rank, "cuda: cannot open the IPC event of rank %d", p);
+      same = 0;
+    }
+  }
+  st->ev_peer[comm->rank] = st->ev_mine;
+  CHECK_GOTO(bs_allgather(comm, "cuda-gpu-ok", &same, oks, sizeof same), res, out);
+  st->same_gpu = 1;
+  for (int p = 0; p < comm->nranks; p++)
+    if (!oks[p]) st->same_gpu = 0;
+  if (st->same_gpu)
+    INFO(SUB_TRANSPORT, comm->rank, "cuda: all %d ranks on one GPU (cuda:%d here): rank %d "
+         "runs device collectives on every rank's buffers through CUDA IPC", comm->nranks,
+         st->device, 0);
+out:
+  if (!st->same_gpu) {
+    events_release(st, comm->nranks);
+    sg_release(st);
+  }
+  free(all);
+  free(oks);
+  return res;
+}
+
 /* Collective over the communicator (every rank reaches it at the same device collective):
- * allocate and export the scratch and an IPC event, map every peer's, and agree whether
- * all of it worked (bit 0: scratch mapped everywhere; bit 1: every rank on one GPU with
- * every event opened). */
+ * all ranks on one GPU (same_gpu_setup), or else allocate and export the scratch, map every
+ * peer's, and agree whether all of it worked. */
 static chorus_result_t ipc_setup(struct chorus_comm *comm, struct cuda_state *st,
                                  const struct op *op) {
   st->ipc_tried = 1;
@@ -342,87 +409,54 @@ static chorus_result_t ipc_setup(struct chorus_comm *comm, struct cuda_state *st
                                     : "more ranks than one reduction reads");
     return CHORUS_SUCCESS;
   }
+  CHECK(same_gpu_setup(comm, st));
+  /* on one GPU, what the executor does not run is staged: no scratch (its cudaMalloc and
+   * IPC mappings may wait for the device) */
+  if (st->same_gpu) return CHORUS_SUCCESS;
   int64_t total = param_int(PARAM_CUDA_SCRATCH);
   st->half = (size_t)(total > 0 ? total : 0) / 2;
   st->half -= st->half % 4096;
   struct ipc_card mine;
   memset(&mine, 0, sizeof mine);
   mine.device = st->device;
-  struct cudaDeviceProp prop;
-  if (cudaGetDeviceProperties(&prop, st->device) == cudaSuccess)
-    memcpy(mine.uuid, prop.uuid.bytes, sizeof mine.uuid);
   if (st->half >= 4096 && cudaMalloc((void **)&st->scratch, 2 * st->half) == cudaSuccess &&
       cudaIpcGetMemHandle(&mine.handle, st->scratch) == cudaSuccess)
     mine.ok = 1;
-  if (param_int(PARAM_CUDA_SAME_GPU) &&
-      cudaEventCreateWithFlags(&st->ev_mine, cudaEventDisableTiming | cudaEventInterprocess) ==
-          cudaSuccess &&
-      cudaIpcGetEventHandle(&mine.event, st->ev_mine) == cudaSuccess) {
-    void *fn = NULL;
-    enum cudaDriverEntryPointQueryResult q;
-    st->exports = calloc(SG_EXPORTS, sizeof *st->exports);
-    st->imports = calloc(SG_IMPORTS, sizeof *st->imports);
-    if (cudaGetDriverEntryPointByVersion("cuPointerGetAttributes", &fn, 12000,
-                                         cudaEnableDefault, &q) == cudaSuccess &&
-        q == cudaDriverEntryPointSuccess && fn && st->exports && st->imports) {
-      st->get_attrs = (CUresult(*)(unsigned, CUpointer_attribute *, void **, CUdeviceptr))fn;
-      mine.ev_ok = 1;
-    }
-  }
   cudaGetLastError(); /* a failure above is reported through the agreement, not later */
   struct ipc_card *all = calloc((size_t)comm->nranks, sizeof *all);
   int32_t *oks = calloc((size_t)comm->nranks, sizeof *oks);
-  st->ev_peer = calloc((size_t)comm->nranks, sizeof *st->ev_peer);
   chorus_result_t res = CHORUS_SUCCESS;
-  if (!all || !oks || !st->ev_peer) {
+  if (!all || !oks) {
     res = comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d: out of memory", comm->rank);
     goto out;
   }
   CHECK_GOTO(bs_allgather(comm, "cuda-ipc", &mine, all, sizeof mine), res, out);
-  int32_t ok = 1, same = 1;
+  int32_t ok = 1;
   char links[256] = "";
   size_t used = 0;
-  for (int p = 0; p < comm->nranks; p++) {
+  for (int p = 0; p < comm->nranks; p++)
     if (!all[p].ok) ok = 0;
-    if (!all[p].ev_ok || memcmp(all[p].uuid, mine.uuid, sizeof mine.uuid)) same = 0;
-  }
-  for (int p = 0; p < comm->nranks; p++) {
+  for (int p = 0; p < comm->nranks && ok; p++) {
     if (p == comm->rank) continue;
-    if (same && cudaIpcOpenEventHandle(&st->ev_peer[p], all[p].event) != cudaSuccess) {
-      cudaGetLastError();
-      st->ev_peer[p] = NULL;
-      INFO(SUB_TRANSPORT, comm->rank, "cuda: cannot open the IPC event of rank %d", p);
-      same = 0;
-    }
-    if (!ok) continue;
     void *ptr = NULL;
     if (cudaIpcOpenMemHandle(&ptr, all[p].handle, cudaIpcMemLazyEnablePeerAccess) !=
         cudaSuccess) {
       cudaGetLastError();
       INFO(SUB_TRANSPORT, comm->rank, "cuda: cannot map the scratch of rank %d (cuda:%d, %s)",
-           p, all[p].device, link_name(&mine, &all[p]));
+           p, all[p].device, link_name(st->device, all[p].device));
       ok = 0;
       continue;
     }
     st->peer[comm->local_rank_of[p]] = ptr;
     if (used + 40 < sizeof links)
       used += (size_t)snprintf(links + used, sizeof links - used, "%s%d:%s", used ? " " : "", p,
-                               link_name(&mine, &all[p]));
+                               link_name(st->device, all[p].device));
   }
   st->peer[me] = st->scratch;
-  st->ev_peer[comm->rank] = st->ev_mine;
-  int32_t bits = (ok ? 1 : 0) | (same ? 2 : 0);
-  CHECK_GOTO(bs_allgather(comm, "cuda-ipc-ok", &bits, oks, sizeof bits), res, out);
+  CHECK_GOTO(bs_allgather(comm, "cuda-ipc-ok", &ok, oks, sizeof ok), res, out);
   st->ipc_ok = 1;
-  st->same_gpu = 1;
-  for (int p = 0; p < comm->nranks; p++) {
-    if (!(oks[p] & 1)) st->ipc_ok = 0;
-    if (!(oks[p] & 2)) st->same_gpu = 0;
-  }
-  if (st->same_gpu)
-    INFO(SUB_TRANSPORT, comm->rank, "cuda: all %d ranks on one GPU (cuda:%d here): rank 0 "
-         "runs device collectives on every rank's buffers, ordered by IPC events",
-         comm->nranks, st->device);
+  for (int p = 0; p < comm->nranks; p++)
+    if (!oks[p]) st->ipc_ok = 0;
   if (st->ipc_ok)
     INFO(SUB_TRANSPORT, comm->rank, "cuda: rank %d on cuda:%d maps %d peers through CUDA IPC "
          "(%s), scratch 2 x %zu bytes", comm->rank, st->device, comm->nranks - 1, links,
@@ -432,10 +466,6 @@ static chorus_result_t ipc_setup(struct chorus_comm *comm, struct cuda_state *st
          "collectives staged through host memory");
 out:
   if (!st->ipc_ok) ipc_release(st, comm->nlocal, me);
-  if (!st->same_gpu) {
-    events_release(st, comm->nranks);
-    sg_release(st);
-  }
   free(all);
   free(oks);
   (void)op;
@@ -490,19 +520,9 @@ chorus_result_t cuda_drain(struct chorus_comm *comm, struct op *op) {
 }
 
 /* ------------------------------------------------------------------ the staged path */
-/* The pinned buffer is made in setup (pinned_setup); bigger staging uses pageable memory,
- * grown with realloc (no CUDA call): copies from and to it are slower but never synchronise
- * the device. */
-static chorus_result_t pinned_setup(struct chorus_comm *comm, struct cuda_state *st,
-                                    const struct op *op) {
-  size_t cap = (size_t)param_int(PARAM_CUDA_SCRATCH);
-  if (cap < ((size_t)1 << 20)) cap = (size_t)1 << 20;
-  CU(comm, op, cudaHostAlloc(&st->pinned, cap, cudaHostAllocPortable),
-     "cudaHostAlloc of the staging buffer");
-  st->pinned_cap = cap;
-  return CHORUS_SUCCESS;
-}
-
+/* The pinned buffer is made at the first staged collective; bigger staging uses pageable
+ * memory, grown with realloc (no CUDA call): copies from and to it are slower but never
+ * wait for the device. */
 static chorus_result_t staging_nomem(struct chorus_comm *comm, const struct op *op,
                                      size_t bytes) {
   char d[200];
@@ -513,7 +533,20 @@ static chorus_result_t staging_nomem(struct chorus_comm *comm, const struct op *
 
 static chorus_result_t staging_for(struct chorus_comm *comm, struct cuda_state *st,
                                    const struct op *op, size_t bytes, uint8_t **out) {
-  if (bytes <= st->pinned_cap) {
+  if (!st->pinned_tried) {
+    /* made at the first staged collective, on the engine thread: cudaHostAlloc may wait for
+     * the device, which must not hold the caller (without it, staging is pageable) */
+    st->pinned_tried = 1;
+    size_t cap = (size_t)param_int(PARAM_CUDA_SCRATCH);
+    if (cap < ((size_t)1 << 20)) cap = (size_t)1 << 20;
+    if (cudaHostAlloc(&st->pinned, cap, cudaHostAllocPortable) == cudaSuccess) {
+      st->pinned_cap = cap;
+    } else {
+      cudaGetLastError();
+      st->pinned = NULL;
+    }
+  }
+  if (st->pinned && bytes <= st->pinned_cap) {
     *out = st->pinned;
     return CHORUS_SUCCESS;
   }
@@ -558,7 +591,6 @@ static void cuda_prepare(struct chorus_comm *comm, const struct op *op) {
       cuda_fail(comm, op, e, "cudaStreamCreate");
       goto restore;
     }
-    if (pinned_setup(comm, st, op) != CHORUS_SUCCESS) goto restore;
     atomic_store(&st->ready, 1);
   }
   if (collective && !st->ipc_tried) ipc_setup(comm, st, op);
@@ -717,14 +749,20 @@ struct sg_ref {
   cudaIpcMemHandle_t h;
 };
 struct sg_desc {
-  int32_t ok; /* 0: a buffer cannot be exported (e.g. not from cudaMalloc) */
-  int32_t pad;
+  int32_t ok;    /* 0: a buffer cannot be exported (e.g. not from cudaMalloc) */
+  int32_t ready; /* the caller's work before the op had finished on the GPU */
   struct sg_ref send, recv;
 };
+enum { SG_OTHER = 0, SG_QUEUED = 1, SG_DONE = 2 };
 struct sg_reply {
-  int32_t run; /* 1: the executor queued the collective; 0: every rank takes another path */
+  int32_t run; /* SG_DONE: the executor ran it and it is finished; SG_QUEUED: queued behind
+                * every rank's IPC event, ranks wait for the executor's; SG_OTHER: every rank
+                * takes another path */
   int32_t pad;
 };
+/* How long a rank waits on the host for its caller's earlier GPU work before it lets the
+ * executor queue the collective behind it instead (see same_gpu). */
+#define SG_READY_WAIT_NS 500000LL
 
 static int sg_attrs(struct cuda_state *st, const void *ptr, unsigned long long *id,
                     CUdeviceptr *start, size_t *size) {
@@ -906,10 +944,19 @@ static chorus_result_t sg_run(struct chorus_comm *comm, struct op *op, const voi
       goto out;
     }
   }
+  /* Every rank's inputs final already (the usual case, an idle GPU): run it and wait for
+   * it here, so no stream of one process ever waits for another's: ranks sharing a GPU
+   * without MPS time-slice, and each such cross-process wait cost about a time slice
+   * (1.7 ms per all_reduce on the H200). Else queue it behind every rank's IPC event, and
+   * nobody's host waits for the GPU. */
+  int all_ready = 1;
   for (int p = 0; p < n; p++)
-    if (p != comm->rank)
-      CU(comm, op, cudaStreamWaitEvent(st->stream, st->ev_peer[p], 0),
-         "cudaStreamWaitEvent on a peer's IPC event");
+    if (!((const struct sg_desc *)descs[p])->ready) all_ready = 0;
+  if (!all_ready)
+    for (int p = 0; p < n; p++)
+      if (p != comm->rank)
+        CU(comm, op, cudaStreamWaitEvent(st->stream, st->ev_peer[p], 0),
+           "cudaStreamWaitEvent on a peer's IPC event");
   const chorus_op_kind_t kind = base_op(op->op.kind);
   const int divisor = op->op.kind == CHORUS_AVG ? n : 1;
   cudaError_t e = cudaSuccess;
@@ -917,7 +964,7 @@ static chorus_result_t sg_run(struct chorus_comm *comm, struct op *op, const voi
   const void *src[CUDA_REDUCE_MAX_IN * CUDA_REDUCE_MAX_IN];
   size_t len[CUDA_REDUCE_MAX_IN * CUDA_REDUCE_MAX_IN];
   int m = 0;
-  switch (op->kind) {
+  switch (coll_bytes(comm, op) ? op->kind : OP_KIND_COUNT) { /* nothing to move: no kernel */
     case OP_ALLREDUCE:
       e = (cudaError_t)chorus_cuda_reduce_multi((void *const *)R, n, (const void *const *)S, n,
                                                 op->count, op->dtype, kind, divisor,
@@ -930,6 +977,7 @@ static chorus_result_t sg_run(struct chorus_comm *comm, struct op *op, const voi
       break;
     case OP_REDUCE_SCATTER:
       for (int r = 0; r < n && e == cudaSuccess; r++) {
+        if (!op->counts[r]) continue;
         const void *in[CUDA_REDUCE_MAX_IN];
         for (int p = 0; p < n; p++) in[p] = S[p] + (size_t)r * blk;
         e = (cudaError_t)chorus_cuda_reduce_multi((void *const *)&R[r], 1, in, n,
@@ -965,8 +1013,13 @@ static chorus_result_t sg_run(struct chorus_comm *comm, struct op *op, const voi
   if (e == cudaSuccess && m)
     e = (cudaError_t)chorus_cuda_copy_batch(dst, src, len, m, st->stream);
   if (e != cudaSuccess) return cuda_fail(comm, op, e, "same-GPU collective kernel");
-  CU(comm, op, cudaEventRecord(st->ev_mine, st->stream), "cudaEventRecord of the IPC event");
-  rep.run = 1;
+  if (all_ready) {
+    CHECK(drain_stream(comm, op, st->stream));
+    rep.run = SG_DONE;
+  } else {
+    CU(comm, op, cudaEventRecord(st->ev_mine, st->stream), "cudaEventRecord of the IPC event");
+    rep.run = SG_QUEUED;
+  }
 out:
   if (why)
     INFO(SUB_COLL, comm->rank, "cuda: %s seq %llu not run on the shared GPU (%s): taking "
@@ -982,19 +1035,45 @@ static chorus_result_t same_gpu(struct chorus_comm *comm, struct cuda_state *st,
   struct sg_desc d;
   memset(&d, 0, sizeof d);
   *ran = 0;
+  /* has the caller's work before this op finished? (a moment's grace: the event was just
+   * recorded, and an idle GPU reaches it within microseconds) */
+  d.ready = 1;
+  if (op->start_event) {
+    const int64_t until = now_ns() + SG_READY_WAIT_NS;
+    int idle = 0;
+    for (;;) {
+      cudaError_t e = cudaEventQuery((cudaEvent_t)op->start_event);
+      if (e == cudaSuccess) break;
+      if (e != cudaErrorNotReady) return cuda_fail(comm, op, e, "the caller's event");
+      if (now_ns() >= until) {
+        d.ready = 0;
+        break;
+      }
+      CHECK(engine_poll_device(comm, op, &idle));
+    }
+  }
+  if (!d.ready) {
+    /* the executor may queue the op behind this rank's IPC event: this stream reaches it
+     * once the caller's work before the op is done (a ready rank records nothing: the last
+     * record, if any, is older and complete whenever the op's inputs are) */
+    CU(comm, op, cudaStreamWaitEvent(st->stream, (cudaEvent_t)op->start_event, 0),
+       "cudaStreamWaitEvent on the caller's event");
+    if (comm->rank != SG_EXEC)
+      CU(comm, op, cudaEventRecord(st->ev_mine, st->stream), "cudaEventRecord of the IPC event");
+  }
   if (comm->rank != SG_EXEC) {
     size_t sbytes, rbytes;
     extents(comm, op, &sbytes, &rbytes);
     if (op->kind == OP_BROADCAST) sbytes = 0;
-    /* the executor may read this rank's buffers once the caller's work before them is done */
-    CU(comm, op, cudaEventRecord(st->ev_mine, st->stream), "cudaEventRecord of the IPC event");
     d.ok = sg_describe(st, op->sendbuf, sbytes, &d.send) &&
            sg_describe(st, op->recvbuf, rbytes, &d.recv);
   }
   op->algo = ALGO_ONESHOT; /* the fingerprint's algorithm: every rank takes this path */
   struct sg_reply rep;
   CHECK(shm_delegate(comm, op, SG_EXEC, &d, sizeof d, &rep, sizeof rep, sg_run, st));
-  if (!rep.run) return CHORUS_SUCCESS;
+  if (rep.run == SG_OTHER) return CHORUS_SUCCESS;
+  *ran = 1;
+  if (rep.run == SG_DONE) return CHORUS_SUCCESS; /* the data is final: nothing to order */
   if (comm->rank != SG_EXEC)
     CU(comm, op, cudaStreamWaitEvent(st->stream, st->ev_peer[SG_EXEC], 0),
        "cudaStreamWaitEvent on the executor's IPC event");
@@ -1009,9 +1088,6 @@ static chorus_result_t same_gpu(struct chorus_comm *comm, struct cuda_state *st,
 chorus_result_t cuda_run(struct chorus_comm *comm, struct op *op) {
   struct cuda_state *st = NULL;
   CHECK(state_get(comm, op, &st));
-  if (op->start_event)
-    CU(comm, op, cudaStreamWaitEvent(st->stream, (cudaEvent_t)op->start_event, 0),
-       "cudaStreamWaitEvent on the caller's event");
   chorus_result_t (*fn)(struct chorus_comm *, struct op *) = NULL;
   int id = ALGO_ONESHOT;
   const size_t bytes = coll_bytes(comm, op);
@@ -1031,6 +1107,9 @@ chorus_result_t cuda_run(struct chorus_comm *comm, struct op *op) {
     }
     st->n_sg_fallback++;
   }
+  if (op->start_event)
+    CU(comm, op, cudaStreamWaitEvent(st->stream, (cudaEvent_t)op->start_event, 0),
+       "cudaStreamWaitEvent on the caller's event");
   if (st->ipc_ok && bytes > (size_t)param_int(PARAM_CUDA_HOST_MAX)) {
     switch (op->kind) {
       case OP_ALLREDUCE:
