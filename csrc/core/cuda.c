@@ -762,7 +762,7 @@ struct sg_reply {
 };
 /* How long a rank waits on the host for its caller's earlier GPU work before it lets the
  * executor queue the collective behind it instead (see same_gpu). */
-#define SG_READY_WAIT_NS 500000LL
+#define SG_READY_WAIT_NS 5000000LL
 
 static int sg_attrs(struct cuda_state *st, const void *ptr, unsigned long long *id,
                     CUdeviceptr *start, size_t *size) {

@@ -468,6 +468,9 @@ static void check_multi_and_copy(void) {
       size_t count = counts[ci], es = ES[dt];
       for (int k = 0; k < n; k++)
         CUDA_CHECK(cudaMemcpy(ins[k], h_in[k], count * es, cudaMemcpyHostToDevice));
+      /* a copy from pageable memory may return before its DMA is done, and `stream` does
+       * not wait for the legacy stream */
+      CUDA_CHECK(cudaDeviceSynchronize());
       const void *in[4] = {ins[0], ins[1], ins[2], ins[3]};
       int rc = chorus_cuda_reduce(ref, in, n, count, dt, CHORUS_SUM, 1, stream);
       expect_rc("reduce for reduce_multi", rc, 0);
@@ -491,6 +494,7 @@ static void check_multi_and_copy(void) {
   fill_inputs(CHORUS_UINT8, INTS);
   CUDA_CHECK(cudaMemcpy(ins[0], h_in[0], MAXC, cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMemset(outs[0], 0, bytes));
+  CUDA_CHECK(cudaDeviceSynchronize());
   size_t at = 0;
   for (int k = 0; k < entries; k++) {
     size_t l = k == 0 ? 0 : k % 7 == 0 ? 65537 + (size_t)k : (size_t)(rnd() % 300);

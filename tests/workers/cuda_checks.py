@@ -238,6 +238,10 @@ def main():
         # The op must run after work the caller queued, without the host waiting for it.
         n = 1 << 20
         t = torch.zeros(n, device=dev)
+        # Mapped by a first collective on an idle GPU: mapping a new allocation through CUDA
+        # IPC waits for the GPU (docs/design.md), so the host-free claim is for tensors the
+        # group has seen (the "host not blocked (first collective)" check covers the rest).
+        dist.all_reduce(t)
         torch.cuda.synchronize()
         t0 = time.monotonic()
         torch.cuda._sleep(int(2e8))  # ~100 ms of GPU time on the current stream
