@@ -1092,6 +1092,22 @@ chorus_result_t cuda_run(struct chorus_comm *comm, struct op *op) {
   int id = ALGO_ONESHOT;
   const size_t bytes = coll_bytes(comm, op);
   const int cls = size_class(bytes);
+  if (comm->nranks == 1 && (op->kind == OP_ALLREDUCE || op->kind == OP_REDUCE ||
+                            op->kind == OP_BROADCAST)) {
+    /* alone: the result is the input (PREMUL_SUM: scaled), a device copy at most */
+    if (op->start_event)
+      CU(comm, op, cudaStreamWaitEvent(st->stream, (cudaEvent_t)op->start_event, 0),
+         "cudaStreamWaitEvent on the caller's event");
+    const size_t es = dtype_size(op->dtype);
+    if (op->kind != OP_BROADCAST && op->op.kind == CHORUS_PREMUL_SUM)
+      CHECK(cuda_premul(comm, op->recvbuf, op->sendbuf, op->count, op->dtype,
+                        op->op.factor));
+    else if (op->recvbuf != op->sendbuf && op->count)
+      CU(comm, op, cudaMemcpyAsync(op->recvbuf, op->sendbuf, op->count * es,
+                                   cudaMemcpyDeviceToDevice, st->stream),
+         "cudaMemcpyAsync");
+    return drain_stream(comm, op, st->stream);
+  }
   if (st->same_gpu && sg_eligible(comm, op)) {
     int ran = 0;
     const int64_t t0 = now_ns();
