@@ -326,6 +326,16 @@ static const char *link_name(int mine, int theirs) {
   return "P2P";
 }
 
+/* *all = 1 on every rank iff `mine` is nonzero on every rank (oks: nranks entries). */
+static chorus_result_t agree(struct chorus_comm *comm, const char *key, int32_t mine,
+                             int32_t *oks, int *all) {
+  CHECK(bs_allgather(comm, key, &mine, oks, sizeof mine));
+  *all = 1;
+  for (int p = 0; p < comm->nranks; p++)
+    if (!oks[p]) *all = 0;
+  return CHORUS_SUCCESS;
+}
+
 /* Collective over the communicator: are all ranks on one GPU? Each makes and exports an
  * IPC event, opens everyone else's, and all agree (st->same_gpu). No call here waits for
  * the device, so the first collective behind a long kernel does not hold the caller. */
@@ -374,10 +384,7 @@ static chorus_result_t same_gpu_setup(struct chorus_comm *comm, struct cuda_stat
     }
   }
   st->ev_peer[comm->rank] = st->ev_mine;
-  CHECK_GOTO(bs_allgather(comm, "cuda-gpu-ok", &same, oks, sizeof same), res, out);
-  st->same_gpu = 1;
-  for (int p = 0; p < comm->nranks; p++)
-    if (!oks[p]) st->same_gpu = 0;
+  CHECK_GOTO(agree(comm, "cuda-gpu-ok", same, oks, &st->same_gpu), res, out);
   if (st->same_gpu)
     INFO(SUB_TRANSPORT, comm->rank, "cuda: all %d ranks on one GPU (cuda:%d here): rank %d "
          "runs device collectives on every rank's buffers through CUDA IPC", comm->nranks,
@@ -453,10 +460,7 @@ static chorus_result_t ipc_setup(struct chorus_comm *comm, struct cuda_state *st
                                link_name(st->device, all[p].device));
   }
   st->peer[me] = st->scratch;
-  CHECK_GOTO(bs_allgather(comm, "cuda-ipc-ok", &ok, oks, sizeof ok), res, out);
-  st->ipc_ok = 1;
-  for (int p = 0; p < comm->nranks; p++)
-    if (!oks[p]) st->ipc_ok = 0;
+  CHECK_GOTO(agree(comm, "cuda-ipc-ok", ok, oks, &st->ipc_ok), res, out);
   if (st->ipc_ok)
     INFO(SUB_TRANSPORT, comm->rank, "cuda: rank %d on cuda:%d maps %d peers through CUDA IPC "
          "(%s), scratch 2 x %zu bytes", comm->rank, st->device, comm->nranks - 1, links,
