@@ -659,6 +659,20 @@ void WorkChorus::finalize() noexcept {
     }
   } catch (...) {
   }
+  // A CUDA future records an event on the device when completed: a command in this
+  // process's GPU context, which ranks sharing a GPU pay a context switch for. Nobody can
+  // wait on a future not handed out yet, so it is completed when getFuture() is called.
+  bool now = true;
+  if (cuda_device_ >= 0) {
+    std::lock_guard<std::mutex> lk(mutex_);
+    now = future_taken_;
+    future_deferred_ = !now;
+  }
+  if (now) completeFuture(eptr);
+  if (parent) parent->release(false);
+}
+
+void WorkChorus::completeFuture(std::exception_ptr eptr) noexcept {
   try {
     if (eptr) {
       future_->setError(eptr);
@@ -672,7 +686,6 @@ void WorkChorus::finalize() noexcept {
   } catch (...) {
     // A future callback threw; it cannot be reported anywhere better than the future itself.
   }
-  if (parent) parent->release(false);
 }
 
 void WorkChorus::awaitCompleted() {
@@ -779,6 +792,11 @@ c10::intrusive_ptr<c10::ivalue::Future> WorkChorus::getFuture() {
   std::unique_lock<std::mutex> lk(mutex_);
   future_taken_ = true;
   cv_.wait(lk, [&] { return !inline_; });
+  const bool late = future_deferred_;  // finalize() left it to us
+  future_deferred_ = false;
+  std::exception_ptr eptr = exception_;
+  lk.unlock();
+  if (late) completeFuture(eptr);
   return future_;
 }
 
@@ -921,8 +939,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::launch(
       // to the caching allocator's stream tracking (finishAfter).
       for (auto& t : t_op_tensors) work->keepAlive(std::move(t));
       t_op_tensors.clear();
-      // After every copy the op queued on the caller's stream (staging, contiguous()).
-      void* event = cuda::recordCurrentStream(device);
+      // After every copy the op queued on the caller's stream (staging, contiguous()); no
+      // event (nothing to wait for, and no command in this process's GPU context) when
+      // that stream has finished everything.
+      void* event = cuda::recordCurrentStreamIfBusy(device);
       void* end_event = nullptr;
       try {
         end_event = cuda::createEvent(device);

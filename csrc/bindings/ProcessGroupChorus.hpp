@@ -106,6 +106,8 @@ class WorkChorus : public c10d::Work {
 
   // Runs the completion steps once (whoever gets here first: completer, waiter, poller).
   void finalize() noexcept;
+  // Completes the future with the work's outcome (eptr: its error).
+  void completeFuture(std::exception_ptr eptr) noexcept;
 
  private:
   friend class Completer;
@@ -142,6 +144,7 @@ class WorkChorus : public c10d::Work {
   std::atomic<bool> finalizing_{false};
   std::atomic<int> waiters_{0};  // threads inside wait(): they finalize, the completer needn't
   bool future_taken_ = false;    // guarded by mutex_: getFuture() was called
+  bool future_deferred_ = false; // guarded by mutex_: finalized, the future left to getFuture
   bool inline_ = false;          // guarded by mutex_: the core thread is finalizing right now
   bool armed_ = false;
   bool any_source_ = false;

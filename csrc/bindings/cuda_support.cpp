@@ -23,6 +23,9 @@ namespace cuda {
 void* recordCurrentStream(int) {
   TORCH_CHECK(false, "chorus: this build of chorus has no CUDA support");
 }
+void* recordCurrentStreamIfBusy(int) {
+  TORCH_CHECK(false, "chorus: this build of chorus has no CUDA support");
+}
 void* createEvent(int) { TORCH_CHECK(false, "chorus: this build of chorus has no CUDA support"); }
 void destroyEvent(void*) {}
 bool eventDone(void*) { return true; }
@@ -78,6 +81,14 @@ void* recordCurrentStream(int device) {
     check(e, "cudaEventRecord on the current stream");
   }
   return ev;
+}
+
+void* recordCurrentStreamIfBusy(int device) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  cudaError_t e = cudaStreamQuery(c10::cuda::getCurrentCUDAStream(device).stream());
+  if (e == cudaSuccess) return nullptr;
+  if (e != cudaErrorNotReady) cudaGetLastError();  // recordCurrentStream reports it
+  return recordCurrentStream(device);
 }
 
 void* createEvent(int device) {

@@ -17,6 +17,8 @@ namespace cuda {
 // Records an event on the current stream of `device` (after whatever the caller queued so
 // far); the core's operations wait for it. Returns the cudaEvent_t.
 void* recordCurrentStream(int device);
+// recordCurrentStream, or nullptr when the current stream has completed all its work.
+void* recordCurrentStreamIfBusy(int device);
 // A new event (no timing) for the core to record when a work's device part outlives it.
 void* createEvent(int device);
 void destroyEvent(void* event);
