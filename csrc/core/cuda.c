@@ -188,13 +188,14 @@ static int size_class(size_t bytes) {
 
 int chorus_cuda_built(void) { return 1; }
 
-/* Calls that may synchronise the whole device (cudaFree, cudaFreeHost, cudaHostAlloc, the
- * IPC setup calls) would stall the engine thread behind whatever the GPU runs (a caller's
- * long kernel). So they happen in cuda_prepare, on the thread that submits the first device
- * operation (and the first device collective), and at teardown; the engine thread queues
- * work, queries streams and events, and waits for its own streams only on the paths that
- * move data through the host. No stream ever waits for something the host has yet to do:
- * every event a stream waits on was recorded before the wait was queued. */
+/* Calls that may wait for the whole device (cudaFree, cudaFreeHost, cudaHostAlloc, the IPC
+ * calls) stall whichever thread makes them behind whatever the GPU runs (a caller's long
+ * kernel). The streams, IPC events and scratch are made in cuda_prepare, on the thread that
+ * submits the first device operation (and the first device collective); the pinned staging
+ * buffer at the first staged collective and the same-GPU buffer mappings at a buffer's
+ * first use, both on the engine thread, where they only delay that op; the rest at teardown.
+ * No stream ever waits for something the host has yet to do: every event a stream waits on
+ * was recorded before the wait was queued, so none of these calls can deadlock. */
 chorus_result_t chorus_cuda_begin(chorus_comm_t *comm, int device, void *event,
                                   void *end_event) {
   if (!comm) {
@@ -564,11 +565,10 @@ static chorus_result_t staging_for(struct chorus_comm *comm, struct cuda_state *
   return CHORUS_SUCCESS;
 }
 
-/* On the thread that submits a device operation, before it is queued: the calls that may
- * synchronise the device (see above chorus_cuda_begin) happen here, where blocking for a moment
- * is harmless, never on the engine thread. Makes the state at the first device operation
- * and sets up CUDA IPC at the first device collective (a collective step: every rank
- * submits its collectives in the same order). A failure fails the communicator. */
+/* On the thread that submits a device operation, before it is queued (see the note above
+ * chorus_cuda_begin): makes the state at the first device operation and sets up CUDA IPC at
+ * the first device collective (a collective step: every rank submits its collectives in the
+ * same order). A failure fails the communicator. */
 static void cuda_prepare(struct chorus_comm *comm, const struct op *op) {
   struct cuda_state *st = comm->cuda;
   const int collective = op->kind != OP_SEND && op->kind != OP_RECV;
@@ -740,6 +740,15 @@ static chorus_result_t staged(struct chorus_comm *comm, struct cuda_state *st, s
   return CHORUS_SUCCESS;
 }
 
+/* The communicator's stream waits for the caller's work before the op (its event). */
+static chorus_result_t after_caller(struct chorus_comm *comm, struct cuda_state *st,
+                                    struct op *op) {
+  if (op->start_event)
+    CU(comm, op, cudaStreamWaitEvent(st->stream, (cudaEvent_t)op->start_event, 0),
+       "cudaStreamWaitEvent on the caller's event");
+  return CHORUS_SUCCESS;
+}
+
 /* ------------------------------------------------------------------ same GPU */
 /* The caches: IPC handles of this rank's allocations (handing a handle out again is free),
  * and, on the executor, peers' allocations mapped here. Both keyed by the driver's buffer
@@ -877,14 +886,7 @@ static int sg_eligible(const struct chorus_comm *comm, const struct op *op) {
       return counts_uniform(op->counts, n) && displs_packed(op->counts, op->displs, n);
     case OP_REDUCE_SCATTER:
       return !premul && counts_uniform(op->counts, n) && op->counts[0] * (size_t)n == op->count;
-    case OP_ALLTOALL:
-      if (!op->uniform) return 0;
-      for (int p = 0; p < n; p++)
-        if (op->counts[p] != op->counts[0] || op->counts2[p] != op->counts[0] ||
-            op->displs[p] != (size_t)p * op->counts[0] ||
-            op->displs2[p] != (size_t)p * op->counts[0])
-          return 0;
-      return 1;
+    case OP_ALLTOALL: return op->uniform && alltoall_blocks(op, n);
     default: return 0;
   }
 }
@@ -930,8 +932,9 @@ static chorus_result_t sg_run(struct chorus_comm *comm, struct op *op, const voi
       goto out;
     }
   }
-  const size_t blk = op->kind == OP_ALLGATHER    ? op->counts[0] * es
-                     : op->kind == OP_ALLTOALL || op->kind == OP_REDUCE_SCATTER
+  /* the block of the block-structured kinds (sg_eligible: all blocks are alike) */
+  const size_t blk = op->kind == OP_ALLGATHER || op->kind == OP_ALLTOALL ||
+                             op->kind == OP_REDUCE_SCATTER
                          ? op->counts[0] * es
                          : 0;
   /* aliasing: the in-place forms, or none at all */
@@ -1060,8 +1063,7 @@ static chorus_result_t same_gpu(struct chorus_comm *comm, struct cuda_state *st,
     /* the executor may queue the op behind this rank's IPC event: this stream reaches it
      * once the caller's work before the op is done (a ready rank records nothing: the last
      * record, if any, is older and complete whenever the op's inputs are) */
-    CU(comm, op, cudaStreamWaitEvent(st->stream, (cudaEvent_t)op->start_event, 0),
-       "cudaStreamWaitEvent on the caller's event");
+    CHECK(after_caller(comm, st, op));
     if (comm->rank != SG_EXEC)
       CU(comm, op, cudaEventRecord(st->ev_mine, st->stream), "cudaEventRecord of the IPC event");
   }
@@ -1084,7 +1086,6 @@ static chorus_result_t same_gpu(struct chorus_comm *comm, struct cuda_state *st,
   if (op->end_event)
     CU(comm, op, cudaEventRecord((cudaEvent_t)op->end_event, st->stream),
        "cudaEventRecord of the end event");
-  *ran = 1;
   return CHORUS_SUCCESS;
 }
 
@@ -1096,22 +1097,6 @@ chorus_result_t cuda_run(struct chorus_comm *comm, struct op *op) {
   int id = ALGO_ONESHOT;
   const size_t bytes = coll_bytes(comm, op);
   const int cls = size_class(bytes);
-  if (comm->nranks == 1 && (op->kind == OP_ALLREDUCE || op->kind == OP_REDUCE ||
-                            op->kind == OP_BROADCAST)) {
-    /* alone: the result is the input (PREMUL_SUM: scaled), a device copy at most */
-    if (op->start_event)
-      CU(comm, op, cudaStreamWaitEvent(st->stream, (cudaEvent_t)op->start_event, 0),
-         "cudaStreamWaitEvent on the caller's event");
-    const size_t es = dtype_size(op->dtype);
-    if (op->kind != OP_BROADCAST && op->op.kind == CHORUS_PREMUL_SUM)
-      CHECK(cuda_premul(comm, op->recvbuf, op->sendbuf, op->count, op->dtype,
-                        op->op.factor));
-    else if (op->recvbuf != op->sendbuf && op->count)
-      CU(comm, op, cudaMemcpyAsync(op->recvbuf, op->sendbuf, op->count * es,
-                                   cudaMemcpyDeviceToDevice, st->stream),
-         "cudaMemcpyAsync");
-    return drain_stream(comm, op, st->stream);
-  }
   if (st->same_gpu && sg_eligible(comm, op)) {
     int ran = 0;
     const int64_t t0 = now_ns();
@@ -1127,9 +1112,20 @@ chorus_result_t cuda_run(struct chorus_comm *comm, struct op *op) {
     }
     st->n_sg_fallback++;
   }
-  if (op->start_event)
-    CU(comm, op, cudaStreamWaitEvent(st->stream, (cudaEvent_t)op->start_event, 0),
-       "cudaStreamWaitEvent on the caller's event");
+  CHECK(after_caller(comm, st, op));
+  if (comm->nranks == 1 && (op->kind == OP_ALLREDUCE || op->kind == OP_REDUCE ||
+                            op->kind == OP_BROADCAST)) {
+    /* alone: the result is the input (PREMUL_SUM: scaled), a device copy at most */
+    const size_t es = dtype_size(op->dtype);
+    if (op->kind != OP_BROADCAST && op->op.kind == CHORUS_PREMUL_SUM)
+      CHECK(cuda_premul(comm, op->recvbuf, op->sendbuf, op->count, op->dtype,
+                        op->op.factor));
+    else if (op->recvbuf != op->sendbuf && op->count)
+      CU(comm, op, cudaMemcpyAsync(op->recvbuf, op->sendbuf, op->count * es,
+                                   cudaMemcpyDeviceToDevice, st->stream),
+         "cudaMemcpyAsync");
+    return drain_stream(comm, op, st->stream);
+  }
   if (st->ipc_ok && bytes > (size_t)param_int(PARAM_CUDA_HOST_MAX)) {
     switch (op->kind) {
       case OP_ALLREDUCE:

@@ -305,6 +305,15 @@ int displs_packed(const size_t *counts, const size_t *displs, int n) {
   return 1;
 }
 
+int alltoall_blocks(const struct op *op, int n) {
+  for (int p = 0; p < n; p++)
+    if (op->counts[p] != op->counts[0] || op->counts2[p] != op->counts[0] ||
+        op->displs[p] != (size_t)p * op->counts[0] ||
+        op->displs2[p] != (size_t)p * op->counts[0])
+      return 0;
+  return 1;
+}
+
 const struct algo_desc algo_table[ALGO_COUNT] = {
     [ALGO_DIRECT] = {"direct",
                      {[OP_ALLREDUCE] = direct_allreduce,

@@ -103,6 +103,9 @@ chorus_result_t algo_alloc(struct chorus_comm *comm, size_t bytes, void **out);
 /* Are counts all equal / displs the packed prefix sums of counts (n entries)? */
 int counts_uniform(const size_t *counts, int n);
 int displs_packed(const size_t *counts, const size_t *displs, int n);
+/* An all-to-all of n ranks whose every send and receive block has counts[0] elements, block p
+ * at p * counts[0]. */
+int alltoall_blocks(const struct op *op, int n);
 
 /* ------------------------------------------------------------------ the algorithm registry
  * Every algorithm has an id, a name (what CHORUS_ALGO and the logs use) and one entry per

@@ -511,13 +511,7 @@ int shm_direct_ok(const struct chorus_comm *comm, const struct op *op, int id) {
   size_t half = op->on_device ? cuda_scratch_half(comm) : shm_scratch_half(comm);
   if (half < (size_t)comm->nranks * 64 || half < 4096) return 0;
   if (id == ALGO_TWOSHOT && op->kind != OP_ALLREDUCE) return 0;
-  if (op->kind == OP_ALLTOALL) {
-    for (int p = 0; p < comm->nranks; p++)
-      if (op->counts[p] != op->counts[0] || op->counts2[p] != op->counts[0] ||
-          op->displs[p] != (size_t)p * op->counts[0] ||
-          op->displs2[p] != (size_t)p * op->counts[0])
-        return 0;
-    /* in-place with overlapping but unequal buffers is handled by the direct algorithm */
-  }
-  return 1;
+  /* all-to-all: in-place with overlapping but unequal buffers is handled by the direct
+   * algorithm */
+  return op->kind != OP_ALLTOALL || alltoall_blocks(op, comm->nranks);
 }

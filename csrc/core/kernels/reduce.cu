@@ -435,39 +435,33 @@ __global__ void __launch_bounds__(THREADS) premul_kernel(const __grid_constant__
   }
 }
 
-/* Copies of a batch: entry blockIdx.y, 16-byte vectors when both ends share a 16-byte
- * alignment, bytes otherwise. */
+/* Copies of a batch: entry blockIdx.y, laid out as the reductions' elements are (Layout,
+ * bytes as elements): 16-byte vectors when both ends share a 16-byte alignment, single
+ * bytes otherwise. */
 struct CopyArgs {
   const void *src[CUDA_COPY_BATCH_MAX];
   void *dst[CUDA_COPY_BATCH_MAX];
-  size_t bytes[CUDA_COPY_BATCH_MAX];
+  Layout lay[CUDA_COPY_BATCH_MAX];
 };
 
 __global__ void __launch_bounds__(THREADS) copy_kernel(const __grid_constant__ CopyArgs a) {
   const int e = blockIdx.y;
   const uint8_t *s = (const uint8_t *)a.src[e];
   uint8_t *d = (uint8_t *)a.dst[e];
-  const size_t n = a.bytes[e];
+  const Layout &lay = a.lay[e];
   size_t start = thread_index(), stride = grid_threads();
-  size_t head = n, nvec = 0;
-  const uintptr_t mis = (uintptr_t)s & 15u;
-  if (((uintptr_t)d & 15u) == mis) {
-    head = (16 - mis) & 15u;
-    if (head > n) head = n;
-    nvec = (n - head) / 16;
-  }
-  const uint4 *sv = (const uint4 *)(s + head);
-  uint4 *dv = (uint4 *)(d + head);
+  const uint4 *sv = (const uint4 *)(s + lay.head);
+  uint4 *dv = (uint4 *)(d + lay.head);
   size_t v = start;
-  for (; v + stride < nvec; v += 2 * stride) {
+  for (; v + stride < lay.nvec; v += 2 * stride) {
     uint4 x0 = sv[v], x1 = sv[v + stride];
     dv[v] = x0;
     dv[v + stride] = x1;
   }
-  for (; v < nvec; v += stride) dv[v] = sv[v];
-  const size_t singles = n - nvec * 16;
+  for (; v < lay.nvec; v += stride) dv[v] = sv[v];
+  const size_t singles = lay.count - lay.nvec * 16;
   for (size_t j = start; j < singles; j += stride) {
-    size_t i = j < head ? j : j + nvec * 16;
+    size_t i = single_index(lay, j, 16);
     d[i] = s[i];
   }
 }
@@ -685,9 +679,10 @@ extern "C" int chorus_cuda_copy_batch(void *const *dst, const void *const *src,
     for (int k = first; k < n && k < first + CUDA_COPY_BATCH_MAX; k++) {
       if (!bytes[k] || dst[k] == src[k]) continue;
       if (!dst[k] || !src[k]) return (int)cudaErrorInvalidValue;
+      const void *ends[2] = {src[k], dst[k]};
       a.src[m] = src[k];
       a.dst[m] = dst[k];
-      a.bytes[m] = bytes[k];
+      a.lay[m] = plan_layout(ends, 2, 1, bytes[k]);
       if (bytes[k] > most) most = bytes[k];
       m++;
     }
@@ -695,7 +690,7 @@ extern "C" int chorus_cuda_copy_batch(void *const *dst, const void *const *src,
     for (int k = m; k < CUDA_COPY_BATCH_MAX; k++) {
       a.src[k] = NULL;
       a.dst[k] = NULL;
-      a.bytes[k] = 0;
+      a.lay[k] = Layout{0, 0, 0};
     }
     /* as many blocks per entry as its largest piece needs, all entries together within
      * BLOCKS_PER_SM per multiprocessor */
