@@ -623,9 +623,7 @@ void WorkChorus::finalize() noexcept {
       if (cuda_device_ >= 0 && end_event_) {
         // The device part may still run (the core queued it and completed the requests):
         // copy-back, the tensors' memory and the future all wait for it on our stream.
-        std::vector<at::Tensor> held = keep_;
-        held.insert(held.end(), outputs_.begin(), outputs_.end());
-        cuda::finishAfter(cuda_device_, end_event_, copy_back_, held);
+        cuda::finishAfter(cuda_device_, end_event_, copy_back_, {&keep_, &outputs_});
       } else {
         for (auto& cb : copy_back_) cb.first.copy_(cb.second);
       }

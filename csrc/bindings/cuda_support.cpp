@@ -31,7 +31,7 @@ void destroyEvent(void*) {}
 bool eventDone(void*) { return true; }
 void streamWaitEvent(int, void*) {}
 bool finishAfter(int, void*, std::vector<std::pair<at::Tensor, at::Tensor>>& pairs,
-                 const std::vector<at::Tensor>&) {
+                 std::initializer_list<const std::vector<at::Tensor>*>) {
   for (auto& p : pairs) p.first.copy_(p.second);
   return false;
 }
@@ -119,7 +119,7 @@ void streamWaitEvent(int device, void* event) {
 }
 
 bool finishAfter(int device, void* event, std::vector<std::pair<at::Tensor, at::Tensor>>& pairs,
-                 const std::vector<at::Tensor>& keep) {
+                 std::initializer_list<const std::vector<at::Tensor>*> keep) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   auto s = completionStream(device);
   const bool pending = !eventDone(event);
@@ -133,7 +133,8 @@ bool finishAfter(int device, void* event, std::vector<std::pair<at::Tensor, at::
     if (!pairs.empty()) s.synchronize();
     return false;
   }
-  for (auto& t : keep) protect(t, s);
+  for (const auto* list : keep)
+    for (auto& t : *list) protect(t, s);
   for (auto& p : pairs) {
     protect(p.first, s);
     protect(p.second, s);

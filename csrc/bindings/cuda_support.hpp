@@ -6,6 +6,7 @@
 #pragma once
 
 #include <functional>
+#include <initializer_list>
 #include <utility>
 #include <vector>
 
@@ -30,12 +31,12 @@ void streamWaitEvent(int device, void* event);
 
 // After a work's requests completed, while its device work (up to `event`) may still run:
 // on the completion stream of `device` (which waits for `event` first) the staged outputs
-// are copied back (dst.copy_(src) for each pair), every tensor of `keep` and of the pairs is
+// are copied back (dst.copy_(src) for each pair), every tensor of the lists in `keep` and of the pairs is
 // marked as used by that stream (the caching allocator reuses its memory only after the
 // stream's work), and `event` is recorded again after all of it. Where `event` has already
 // completed, the copies are made at once and waited for. Returns whether it queued.
 bool finishAfter(int device, void* event, std::vector<std::pair<at::Tensor, at::Tensor>>& pairs,
-                 const std::vector<at::Tensor>& keep);
+                 std::initializer_list<const std::vector<at::Tensor>*> keep);
 // Runs body with the completion stream of `device` current, so that what body records (a
 // future's events) follows everything finishAfter queued.
 void onCompletionStream(int device, const std::function<void()>& body);
