@@ -5,6 +5,7 @@ in its own session so that a hard timeout can kill it and everything it started.
 files, not pipes, so a chatty rank can never block on a full pipe.
 """
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -100,6 +101,9 @@ class Job:
     def __init__(self, name, script, world_size, args=(), env=None, workdir=None):
         self.name = name
         self.world_size = world_size
+        # a directory made here is removed once the logs are read (CHORUS_TEST_KEEP_LOGS=1
+        # keeps it); one the caller names is the caller's
+        self.own_workdir = workdir is None
         self.workdir = workdir or tempfile.mkdtemp(prefix="chorus-test-")
         port = free_port()
         self.procs, self.logs = [], []
@@ -160,6 +164,8 @@ class Job:
             text = log.read().decode("utf-8", "replace")
             log.close()
             result.ranks.append(RankResult(rank, p.returncode, text))
+        if self.own_workdir and os.environ.get("CHORUS_TEST_KEEP_LOGS", "0") in ("", "0"):
+            shutil.rmtree(self.workdir, ignore_errors=True)
         return result
 
 

@@ -6,7 +6,6 @@ the mismatch is cleanly unusable (every later call raises the same error at once
 other group, the world group included, goes on working."""
 import os
 import re
-import tempfile
 
 import pytest
 
@@ -25,10 +24,10 @@ SIDES = {
 
 @pytest.mark.skipif(backend_under_test() != "chorus", reason="chorus's own messages")
 @pytest.mark.parametrize("transport", ["shm", "socket"])
-def test_mismatch_raises_on_every_rank_naming_both_sides(transport):
+def test_mismatch_raises_on_every_rank_naming_both_sides(transport, tmp_path):
     env = {"CHORUS_SHM_DISABLE": "1" if transport == "socket" else "0"}
     # the core's log goes to its own files, so its lines never split the worker's
-    env["CHORUS_DEBUG_FILE"] = os.path.join(tempfile.mkdtemp(prefix="chorus-log-"), "chorus.%p.log")
+    env["CHORUS_DEBUG_FILE"] = str(tmp_path / "chorus.%p.log")
     res = run_job(f"mismatch-{transport}", WORKER, 4, env=env, timeout=200)
     assert res.ok, res.describe()
     for r in res.ranks:
