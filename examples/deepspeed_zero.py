@@ -23,6 +23,7 @@ averaged over ranks, matches a Gloo run of this script within a relative 1e-5 (f
 reductions may differ only in summation order). The three stages compute the same training
 in exact arithmetic; tests/test_examples.py also holds them to 1e-4 of each other.
 """
+import importlib
 import logging
 import os
 import sys
@@ -92,9 +93,10 @@ def worker(args):
         # On the CPU, DeepSpeed's communication wrapper compiles (g++, once per machine) and
         # starts a shared-memory all-reduce of its own at start-up, which only its inference
         # path (inference_all_reduce) uses: training collectives go to torch.distributed, here
-        # Chorus. The compile took minutes on a 2-core machine, so it is skipped here.
-        import deepspeed.comm.torch as ds_comm_torch
-
+        # Chorus. The compile took minutes on a 2-core machine, so it is skipped here. The
+        # module is taken from sys.modules: `import deepspeed.comm.torch as m` would bind m to
+        # torch itself, which deepspeed.comm re-exports under that name.
+        ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
         ds_comm_torch.build_shm_op = lambda: None
     losses = {v: train(v, args, rank, args.dev) for v in args.variants}
     harness.write(args, "deepspeed_zero", losses, TOLERANCE,
