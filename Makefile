@@ -22,6 +22,7 @@ TORCH_VERSION := 2.13.0
 export MAX_JOBS ?= 2
 
 BUILD_STAMP := $(VENV)/.chorus-build.stamp
+PREBUILD_PARTS := prebuild-c prebuild-asan prebuild-fuzz prebuild-fp prebuild-nofp prebuild-cuda
 FUZZ_TARGETS := $(notdir $(basename $(wildcard tests/fuzz/fuzz_*.c)))
 DEPS_STAMP := $(VENV)/.chorus-deps.stamp
 # Tools only the tests need (matplotlib: tests/test_bench.py checks `chorus.bench --plot`);
@@ -33,7 +34,7 @@ BUILD_INPUTS := $(shell find csrc python -type f \( -name '*.c' -o -name '*.h' -
                 $(wildcard setup.py pyproject.toml setup.cfg MANIFEST.in)
 
 .PHONY: all demo test ctest fuzz asan tsan valgrind asan-torch pytest deps base-deps build clean \
-        distclean readme-params prebuild fuzz-asan asan-run $(addprefix fuzz-run-,$(FUZZ_TARGETS))
+        distclean readme-params prebuild $(PREBUILD_PARTS) fuzz-asan asan-run $(addprefix fuzz-run-,$(FUZZ_TARGETS))
 
 all: build
 
@@ -46,6 +47,7 @@ $(DEPS_STAMP): $(PY)
 	$(PY) -c "import pytest" 2>/dev/null || $(PIP) install pytest
 	$(PY) -c "import numpy" 2>/dev/null || $(PIP) install numpy
 	$(PY) -c "import setuptools, wheel" 2>/dev/null || $(PIP) install setuptools wheel
+	$(PY) -c "import ninja" 2>/dev/null || $(PIP) install "ninja==1.13.2"
 	touch $@
 
 # matplotlib only if missing. It does not depend on torch, so this never installs a torch:
@@ -74,8 +76,10 @@ base-deps: $(DEPS_STAMP)
 
 # --no-build-isolation: build against the torch in .venv (an isolated build would fetch
 # another torch and break the ABI).
+# .venv/bin on PATH: torch's BuildExtension compiles the binding's C++ files in parallel
+# (MAX_JOBS) when it finds ninja there, one after the other without it.
 $(BUILD_STAMP): $(DEPS_STAMP) $(BUILD_INPUTS)
-	$(PIP) install --no-build-isolation .
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PIP) install --no-build-isolation .
 	touch $@
 
 build: $(BUILD_STAMP)
@@ -94,14 +98,21 @@ fuzz:
 # niced, beside the package build, whose C++ compile leaves a core idle): the C unit tests,
 # their asan build, the fuzz targets, tools/fp_cost.sh's two bench_comm builds
 # (tests/test_fingerprint_cost.py) and, where nvcc exists, the CUDA compile check
-# (tests/test_cuda.py). Each later step finds its make targets up to date.
-prebuild:
+# (tests/test_cuda.py). Each later step finds its make targets up to date. The parts build
+# into separate directories, so `make -j2 prebuild` runs them side by side.
+prebuild: $(PREBUILD_PARTS)
+prebuild-c:
 	$(MAKE) -C tests/c build
+prebuild-asan:
 	$(MAKE) -C tests/c asan-build
-	$(MAKE) -C tests/fuzz -j$(MAX_JOBS) build
+prebuild-fuzz:
+	$(MAKE) -C tests/fuzz build
+prebuild-fp:
 	$(MAKE) -s -C tests/c BUILD=$(CURDIR)/tests/c/build-fp EXTRA_CFLAGS= bench_comm
+prebuild-nofp:
 	$(MAKE) -s -C tests/c BUILD=$(CURDIR)/tests/c/build-nofp EXTRA_CFLAGS=-DCHORUS_NO_FINGERPRINT \
 	  bench_comm
+prebuild-cuda:
 	if command -v nvcc >/dev/null 2>&1; then $(MAKE) -C tests/cuda compile; fi
 
 # fuzz-asan: every fuzz target for FUZZ_SECONDS (each one single-threaded process) and

@@ -18,7 +18,9 @@ from launch import WORKERS, backend_under_test, chorus_shm_segments, run_job  # 
 
 WORLD_SIZES = (1, 2, 3, 4)
 TRANSPORTS = ("shm", "socket")
-CONFIGS = [(w, t) for w in WORLD_SIZES for t in TRANSPORTS]
+# One rank has no peer and no transport: CHORUS_SHM_DISABLE changes nothing there, so a world
+# of 1 runs once (as "shm").
+CONFIGS = [(w, t) for w in WORLD_SIZES for t in TRANSPORTS if w > 1 or t == "shm"]
 # Small staging rings so that 3 x BUFFSIZE (one of the sizes checked) stays cheap.
 BUFFSIZE = "65536"
 JOB_TIMEOUT = float(os.environ.get("CHORUS_TEST_JOB_TIMEOUT", "420"))
