@@ -134,13 +134,13 @@ asan-torch: $(DEPS_STAMP)
 	bash tools/asan_torch.sh $(PY)
 
 pytest: $(BUILD_STAMP) $(TEST_DEPS_STAMP)
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q --durations=40 tests
 
 # The C unit tests run first; pytest's tests/test_c_units.py (which runs them too, for a plain
 # `pytest tests`) is told that they passed just before (CHORUS_C_UNITS_PASSED) and skips.
 test: $(BUILD_STAMP) $(TEST_DEPS_STAMP)
 	$(MAKE) -C tests/c
-	CHORUS_C_UNITS_PASSED=1 $(PY) -m pytest -q --durations=25 tests
+	CHORUS_C_UNITS_PASSED=1 $(PY) -m pytest -q --durations=40 tests
 
 # Rewrites the README parameter table from `python -m chorus.params --markdown`.
 readme-params: $(BUILD_STAMP)

@@ -331,7 +331,7 @@ BROKEN_RE = re.compile(r"timed? ?out|timeout|connection|closed|abort|peer|broken
 class Ctx:
     """One rank's view of a check run: rank, world, the group under test, and check().
 
-    After every check the ranks compare notes over a separate Gloo control group (so every
+    After every check the ranks compare notes over a separate control group (so every
     rank must make the same sequence of check() calls): if some ranks raised and others did
     not, the others were left inside (or past) a collective the raisers never joined, and every
     later check would pair up wrong calls. Then, and after a timeout or lost connection, the
@@ -348,7 +348,14 @@ class Ctx:
         self.group = dist.group.WORLD
         pg_timeout = float(os.environ.get("CHORUS_TEST_PG_TIMEOUT", "30"))
         # Long enough to outwait a rank stuck until the group under test times out.
-        self.ctrl = dist.new_group(backend="gloo", timeout=timedelta(seconds=3 * pg_timeout + 30))
+        # The control group is a communicator of its own (own connections, own sequence
+        # numbers), of the backend under test unless CHORUS_TEST_CTRL_BACKEND names another:
+        # a Gloo vote cost 1.5-3 ms per check on 2 cores, most of a 4-rank run's time. A
+        # wrong vote cannot hide a failure: every rank records its own result, and the vote
+        # only decides when the group under test is replaced.
+        ctrl_backend = os.environ.get("CHORUS_TEST_CTRL_BACKEND", BACKEND)
+        self.ctrl = dist.new_group(backend=ctrl_backend,
+                                   timeout=timedelta(seconds=3 * pg_timeout + 30))
         self.pg_timeout = timedelta(seconds=pg_timeout)
         self.out_of_step = {}  # variant signature -> case that left the ranks out of step
         self._f = open(os.path.join(out_dir, f"rank{rank}.jsonl"), "w")
