@@ -171,7 +171,12 @@ def launch(script, args):
     runs = [(args.backend, args.device)]
     if args.compare:
         runs.append((args.compare, args.ref_device))
-    tmp = tempfile.mkdtemp(prefix="chorus-example-")
+    # the records of runs without --out live only as long as the comparison
+    with tempfile.TemporaryDirectory(prefix="chorus-example-") as tmp:
+        return _launch_runs(script, args, base, runs, tmp)
+
+
+def _launch_runs(script, args, base, runs, tmp):
     outs = []
     for i, (backend, device) in enumerate(runs):
         out = args.out if (i == 0 and args.out) else os.path.join(tmp, f"{backend}-{i}.json")
