@@ -95,7 +95,7 @@ fuzz:
 	$(MAKE) -C tests/fuzz fuzz FUZZ_SECONDS=$(FUZZ_SECONDS)
 
 # For .ci/run. prebuild: what the checks after `make build` compile, built ahead (CI runs it,
-# niced, beside the package build, whose C++ compile leaves a core idle): the C unit tests,
+# niced, beside the package build and the test tools' download): the C unit tests,
 # their asan build, the fuzz targets, tools/fp_cost.sh's two bench_comm builds
 # (tests/test_fingerprint_cost.py) and, where nvcc exists, the CUDA compile check
 # (tests/test_cuda.py). Each later step finds its make targets up to date. The parts build
