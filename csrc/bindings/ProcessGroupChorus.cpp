@@ -843,6 +843,11 @@ ProcessGroupChorus::ProcessGroupChorus(const c10::intrusive_ptr<c10d::Store>& st
   comm_ = comm;
   completer_ = std::make_shared<Completer>();
   init();
+  // Where the process already has a CUDA context on its current device (torch.cuda.set_device
+  // before init_process_group), load the core's kernels now, while the GPU is likely idle:
+  // a kernel's first launch waits for the device, and would hold a first collective issued
+  // behind a long kernel. Makes no context.
+  chorus_cuda_preload(-1, 0);
 }
 
 ProcessGroupChorus::ProcessGroupChorus(SplitTag, chorus_comm_t* comm,
@@ -854,6 +859,7 @@ ProcessGroupChorus::ProcessGroupChorus(SplitTag, chorus_comm_t* comm,
       timeout_(timeout),
       completer_(std::make_shared<Completer>()) {
   init();
+  chorus_cuda_preload(-1, 0);  // as the other constructor
 }
 
 ProcessGroupChorus::~ProcessGroupChorus() {

@@ -171,6 +171,11 @@ class ProcessGroupChorus : public c10d::Backend {
   const std::string getBackendName() const override { return "chorus"; }
   c10::intrusive_ptr<Options> getBackendOptions() override;
   bool supportsSplitting() const override { return true; }
+  // init_process_group(device_id=cuda:N): the core's kernels are loaded on that device now
+  // (see chorus_cuda_preload); nothing else is set up before the first device operation.
+  void eagerConnectSingleDevice(at::Device device) override {
+    if (device.is_cuda() && device.has_index()) chorus_cuda_preload(device.index(), 1);
+  }
   bool supportsCoalescing() const override { return true; }
   void setTimeout(std::chrono::milliseconds timeout) override;
   void setSequenceNumberForGroup() override;

@@ -54,6 +54,11 @@ static void cuda_prepare(struct chorus_comm *comm, const struct op *op) {
 }
 
 int chorus_cuda_built(void) { return 0; }
+int chorus_cuda_preload(int device, int make_context) {
+  (void)device;
+  (void)make_context;
+  return 0;
+}
 
 chorus_result_t chorus_cuda_begin(chorus_comm_t *comm, int device, void *event,
                                   void *end_event) {
@@ -174,6 +179,8 @@ struct cuda_state {
   struct sg_import *imports; /* executor: peers' allocations mapped here */
   uint64_t use_clock;    /* LRU clock of both caches */
   uint64_t n_sg[4], ns_sg[4], n_sg_fallback;
+  /* of ns_sg: waiting for the caller's event, the executor's run (sg_run), its drain */
+  uint64_t ns_sg_ready[4], n_sg_run[4], ns_sg_run[4], ns_sg_drain[4];
   /* cuPointerGetAttributes, found through the runtime (no link against libcuda) */
   CUresult (*get_attrs)(unsigned, CUpointer_attribute *, void **, CUdeviceptr);
   /* where the time of device collectives goes, per size class (bytes <= 4K, 64K, 1M, more),
@@ -187,6 +194,67 @@ static int size_class(size_t bytes) {
 }
 
 int chorus_cuda_built(void) { return 1; }
+
+/* ------------------------------------------------------------------ kernel preload */
+#define PRELOAD_DEVICES 64
+static _Atomic int preloaded[PRELOAD_DEVICES]; /* 1: kernels loaded in that device's context */
+static pthread_mutex_t preload_mu = PTHREAD_MUTEX_INITIALIZER;
+
+/* force: the caller knows a context exists (it holds memory on the device) or may make one */
+static int preload(int device, int force) {
+  int old = -1;
+  if (cudaGetDevice(&old) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  if (device < 0) device = old;
+  if (device < 0 || device >= PRELOAD_DEVICES) return 0;
+  if (atomic_load(&preloaded[device])) return 0;
+  if (!force) {
+    /* no context made here: a process that never uses this device keeps none there */
+    static CUresult (*get_state)(CUdevice, unsigned *, int *);
+    if (!get_state) {
+      void *fn = NULL;
+      enum cudaDriverEntryPointQueryResult q;
+      if (cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &fn, 12000,
+                                           cudaEnableDefault, &q) != cudaSuccess ||
+          q != cudaDriverEntryPointSuccess || !fn) {
+        cudaGetLastError();
+        return 0;
+      }
+      get_state = (CUresult(*)(CUdevice, unsigned *, int *))fn;
+    }
+    unsigned flags = 0;
+    int active = 0;
+    if (get_state((CUdevice)device, &flags, &active) != CUDA_SUCCESS || !active) return 0;
+  }
+  pthread_mutex_lock(&preload_mu);
+  int loaded = 0, res = 0;
+  if (!atomic_load(&preloaded[device])) {
+    const int64_t t0 = now_ns();
+    if (device != old && cudaSetDevice(device) != cudaSuccess) {
+      res = -1;
+    } else {
+      res = chorus_cuda_load_kernels(&loaded) == 0 ? loaded : -1;
+      if (device != old) cudaSetDevice(old);
+    }
+    if (res < 0) {
+      cudaGetLastError();
+      INFO(SUB_INIT, -1, "cuda: loading the kernels on cuda:%d failed (the first launch will "
+           "report it)", device);
+    } else {
+      atomic_store(&preloaded[device], 1);
+      INFO(SUB_INIT, -1, "cuda: %d kernels loaded on cuda:%d in %.1f ms", loaded, device,
+           (double)(now_ns() - t0) / 1e6);
+    }
+  }
+  pthread_mutex_unlock(&preload_mu);
+  return res;
+}
+
+int chorus_cuda_preload(int device, int make_context) {
+  return preload(device, make_context);
+}
 
 /* Calls that may wait for the whole device (cudaFree, cudaFreeHost, cudaHostAlloc, the IPC
  * calls) stall whichever thread makes them behind whatever the GPU runs (a caller's long
@@ -597,6 +665,9 @@ static void cuda_prepare(struct chorus_comm *comm, const struct op *op) {
     }
     atomic_store(&st->ready, 1);
   }
+  /* the kernels, before an op needs one: this op still waits for them if the device is
+   * busy now, no later op does (a no-op where group creation loaded them) */
+  if (collective) preload(op->device, 1);
   if (collective && !st->ipc_tried) ipc_setup(comm, st, op);
 restore:
   if (old >= 0 && old != op->device) cudaSetDevice(old);
@@ -901,6 +972,8 @@ static chorus_result_t sg_run(struct chorus_comm *comm, struct op *op, const voi
   struct cuda_state *st = arg;
   struct sg_reply rep = {0, 0};
   const int n = comm->nranks;
+  const int64_t t_run = now_ns();
+  const int cls = size_class(coll_bytes(comm, op));
   const size_t es = dtype_size(op->dtype);
   uint8_t *S[CUDA_REDUCE_MAX_IN], *R[CUDA_REDUCE_MAX_IN];
   size_t sb[CUDA_REDUCE_MAX_IN], rb[CUDA_REDUCE_MAX_IN];
@@ -1021,13 +1094,17 @@ static chorus_result_t sg_run(struct chorus_comm *comm, struct op *op, const voi
     e = (cudaError_t)chorus_cuda_copy_batch(dst, src, len, m, st->stream);
   if (e != cudaSuccess) return cuda_fail(comm, op, e, "same-GPU collective kernel");
   if (all_ready) {
+    const int64_t t_drain = now_ns();
     CHECK(drain_stream(comm, op, st->stream));
+    st->ns_sg_drain[cls] += (uint64_t)(now_ns() - t_drain);
     rep.run = SG_DONE;
   } else {
     CU(comm, op, cudaEventRecord(st->ev_mine, st->stream), "cudaEventRecord of the IPC event");
     rep.run = SG_QUEUED;
   }
 out:
+  st->n_sg_run[cls]++;
+  st->ns_sg_run[cls] += (uint64_t)(now_ns() - t_run);
   if (why)
     INFO(SUB_COLL, comm->rank, "cuda: %s seq %llu not run on the shared GPU (%s): taking "
          "another path", op_kind_name(op->kind), (unsigned long long)op->seq, why);
@@ -1045,6 +1122,7 @@ static chorus_result_t same_gpu(struct chorus_comm *comm, struct cuda_state *st,
   /* has the caller's work before this op finished? (a moment's grace: the event was just
    * recorded, and an idle GPU reaches it within microseconds) */
   d.ready = 1;
+  const int64_t t_ready = now_ns();
   if (op->start_event) {
     const int64_t until = now_ns() + SG_READY_WAIT_NS;
     int idle = 0;
@@ -1059,6 +1137,7 @@ static chorus_result_t same_gpu(struct chorus_comm *comm, struct cuda_state *st,
       CHECK(engine_poll_device(comm, op, &idle));
     }
   }
+  st->ns_sg_ready[size_class(coll_bytes(comm, op))] += (uint64_t)(now_ns() - t_ready);
   if (!d.ready) {
     /* the executor may queue the op behind this rank's IPC event: this stream reaches it
      * once the caller's work before the op is done (a ready rank records nothing: the last
@@ -1242,6 +1321,17 @@ void cuda_teardown(struct chorus_comm *comm) {
            (unsigned long long)st->n_ipc[c], st->ns_ipc[c] / 1e3 / ni,
            (unsigned long long)st->n_sg[c], st->ns_sg[c] / 1e3 / ng);
   }
+  for (int c = 0; c < 4; c++)
+    if (st->n_sg[c])
+      INFO(SUB_COLL, comm->rank, "cuda: shared GPU, %s bytes: mean us per op: %.1f waiting for "
+           "the caller's event, %.1f in all", cls[c],
+           st->ns_sg_ready[c] / 1e3 / (double)st->n_sg[c], st->ns_sg[c] / 1e3 / (double)st->n_sg[c]);
+  for (int c = 0; c < 4; c++)
+    if (st->n_sg_run[c])
+      INFO(SUB_COLL, comm->rank, "cuda: executor, %s bytes: %llu runs, mean us %.1f per run, "
+           "%.1f of it waiting for the device", cls[c], (unsigned long long)st->n_sg_run[c],
+           st->ns_sg_run[c] / 1e3 / (double)st->n_sg_run[c],
+           st->ns_sg_drain[c] / 1e3 / (double)st->n_sg_run[c]);
   if (st->n_sg_fallback)
     INFO(SUB_COLL, comm->rank, "cuda: %llu collectives could not run on the shared GPU (see "
          "the earlier lines for why)", (unsigned long long)st->n_sg_fallback);

@@ -43,6 +43,11 @@ int chorus_cuda_copy_batch(void *const *dst, const void *const *src, const size_
 /* out[i] = in[i] * factor, rounded as reduce_premul does on the CPU. out may equal in. */
 int chorus_cuda_premul(void *out, const void *in, size_t count, chorus_dtype_t dtype,
                        double factor, void *stream);
+/* Loads every kernel above into the current device's context (CUDA loads kernels lazily, at
+ * their first launch, and a load waits for the device to finish what it runs: a first
+ * collective behind a long kernel would hold the host). Launches nothing. *loaded: how
+ * many kernels. */
+int chorus_cuda_load_kernels(int *loaded);
 
 #ifdef __cplusplus
 }

@@ -43,6 +43,11 @@ def allreduce_behind_sleep(rank, world, dev):
     seconds until the call returned to Python, seconds until the GPU was done, and whether
     the result is right (NCCL's semantics: the call returns long before the GPU is done)."""
     t = torch.zeros(4099, device=dev)
+    # torch's own kernels used below, loaded now: CUDA loads a kernel at its first launch,
+    # and that load waits for the running sleep (it would be torch holding the host)
+    t.fill_(1.0)
+    t.add_(1)
+    torch.cuda._sleep(1)
     torch.cuda.synchronize()
     t0 = time.monotonic()
     torch.cuda._sleep(int(2e8))
@@ -55,13 +60,15 @@ def allreduce_behind_sleep(rank, world, dev):
     return host_s, gpu_s, bool((t == world * (world + 1) / 2 + 1).all())
 
 
-def init_dist():
-    """init_process_group over env:// with the backend under test; returns (rank, world)."""
+def init_dist(device_id=None):
+    """init_process_group over env:// with the backend under test; returns (rank, world).
+    device_id: the CUDA device the group is bound to (torch's device_id)."""
     if "chorus" in BACKEND:
         import chorus  # noqa: F401  (importing registers the "chorus" backend)
     torch.set_num_threads(1)
     timeout = timedelta(seconds=float(os.environ.get("CHORUS_TEST_PG_TIMEOUT", "30")))
-    dist.init_process_group(backend=BACKEND, init_method="env://", timeout=timeout)
+    dist.init_process_group(backend=BACKEND, init_method="env://", timeout=timeout,
+                            **({"device_id": device_id} if device_id is not None else {}))
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -167,10 +167,12 @@ def main():
     if args.iters is None:
         args.iters = 1000 if args.mode == "latency" else 10
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # gpu_check.sh hang: stacks
-    rank, world = init_dist()
-    local = int(os.environ.get("LOCAL_RANK", rank))
+    # torchrun's recipe: the device first, the group bound to it (chorus then loads its
+    # kernels at group creation, before any GPU work: docs/design.md, CUDA path)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
     dev = torch.device("cuda", local % torch.cuda.device_count())
     torch.cuda.set_device(dev)
+    rank, world = init_dist(device_id=dev)
     {"latency": latency, "bandwidth": bandwidth, "hostfree": hostfree}[args.mode](
         rank, world, dev, args)
     dist.barrier()

@@ -266,6 +266,15 @@ int chorus_cuda_built(void);
 chorus_result_t chorus_cuda_begin(chorus_comm_t *comm, int device, void *event,
                                   void *end_event);
 chorus_result_t chorus_cuda_end(chorus_comm_t *comm);
+/* Loads Chorus's CUDA kernels into the context of `device` (-1: the calling thread's
+ * current device) if that context exists, or, with make_context, into a context made for
+ * it (the device a group was bound to). CUDA loads a kernel at its first
+ * launch, and the load waits for everything the device runs: done early (group creation,
+ * a communicator's first device operation), no later operation waits for the device that
+ * way. Once per device and process. Returns how many kernels it loaded now (0: none, none
+ * needed, or no context yet), or -1 on a CUDA error (the operation that first launches a
+ * kernel reports it). Without CUDA: 0. */
+int chorus_cuda_preload(int device, int make_context);
 
 /* ---- Flight recorder ----
  * Each communicator keeps its last CHORUS_TRACE_BUFFER_SIZE operations (sequence number,
