@@ -27,6 +27,7 @@ import importlib
 import logging
 import os
 import sys
+import types
 
 import torch
 import torch.distributed as dist
@@ -69,7 +70,11 @@ def train(variant, args, rank, dev):
     import deepspeed
 
     model = make_model().to(dev)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+    # DeepSpeed puts each rank on cuda:LOCAL_RANK unless told (device_rank): name the device
+    # the harness chose, so that several ranks may share one GPU
+    ds_args = types.SimpleNamespace(device_rank=dev.index) if dev.type == "cuda" else None
+    engine, _, _, _ = deepspeed.initialize(args=ds_args, model=model,
+                                           model_parameters=model.parameters(),
                                            config=ds_config(int(variant[-1])))
     losses = []
     for step in range(args.steps):

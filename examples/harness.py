@@ -188,6 +188,10 @@ def _launch_runs(script, args, base, runs, tmp):
               f"device {device}", flush=True)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
+        if device == "cpu":
+            # A CPU run sees no GPU: torch's PowerSGD hook, for one, synchronises CUDA (with
+            # the CPU tensor's device, which fails) whenever CUDA is available.
+            env["CUDA_VISIBLE_DEVICES"] = ""
         rc = subprocess.call(cmd, env=env)
         if rc != 0:
             print(f"== backend {backend}: FAILED (exit code {rc})", flush=True)

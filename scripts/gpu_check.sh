@@ -45,7 +45,7 @@ if [ "$what" = perf ]; then
   echo "== perf"
   for v in ${PERF_VARIANTS:-default}; do
     envs=$(echo "$v" | tr ',' ' '); [ "$v" = default ] && envs=""
-    for job in "2 hostfree" "2 latency --loop 2000" "4 bandwidth --iters 5"; do
+    for job in "2 hostfree" "2 latency --loop 2000" "4 bandwidth"; do
       set -- $job ""
       echo "-- $v: $*" >>"$LOG/perf.log"
       env CHORUS_DEBUG=INFO CHORUS_DEBUG_SUBSYS=COLL $envs timeout 120 $PY -m torch.distributed.run \

@@ -171,8 +171,11 @@ def test_cuda_host_not_blocked(tmp_path):
 @pytest.mark.skipif(backend_under_test() != "chorus", reason="chorus CUDA path only")
 def test_cuda_allreduce_bandwidth_four_ranks_one_gpu(tmp_path):
     """4 ranks on one GPU, all_reduce of 64 MiB to 1 GiB: the HBM traffic the path moves
-    (2 N x bytes on the shared-GPU path, see tests/workers/cuda_perf.py) per second is at least 60% of the
-    device-to-device copy bandwidth measured in the same job."""
+    (2 N x bytes on the shared-GPU path, see tests/workers/cuda_perf.py) per second, timed as
+    nccl-tests times (ops issued back to back, a host timer), is at least 60% of the
+    device-to-device copy bandwidth measured in the same job. The loop of synchronous calls
+    is reported beside it (each call then pays the ranks' host round trips) and must reach
+    half of that bar."""
     d = kept_dir(tmp_path, "cuda-bandwidth-4")
     res = run_job("cuda-bandwidth-4", os.path.join(WORKERS, "cuda_perf.py"), 4,
                   args=["bandwidth"], timeout=420, workdir=d)
@@ -180,7 +183,7 @@ def test_cuda_allreduce_bandwidth_four_ranks_one_gpu(tmp_path):
     rows = results_of(res, os.path.join(d, "results.jsonl"))
     bw = [r for r in rows if r["test"] == "allreduce_bw"]
     assert [r["bytes"] >> 20 for r in bw] == [64, 128, 256, 512, 1024], rows
-    low = [r for r in bw if not r["correct"] or r["of_copy"] < 0.60]
+    low = [r for r in bw if not r["correct"] or r["of_copy"] < 0.60 or r["sync_of_copy"] < 0.30]
     assert not low, low
 
 

@@ -1,4 +1,4 @@
-"""Rank worker: timings of all_reduce on CUDA tensors, all ranks on one GPU, with CUDA events.
+"""Rank worker: timings of all_reduce on CUDA tensors, all ranks on one GPU.
 
   cuda_perf.py hostfree
       a synchronous all_reduce behind ~100 ms of GPU work (first and later device op): the
@@ -9,11 +9,13 @@
       events on the caller's stream (after warm-up), time per op; then one loop of LOOP
       all_reduces of 8 B whose wall time is reported (a stall shows up as a huge figure, or
       as the job's timeout).
-  cuda_perf.py bandwidth [--iters 10] [--max 1G]
+  cuda_perf.py bandwidth [--iters 20] [--warmup 5] [--max 1G]
       the device-to-device copy bandwidth (rank 0 alone, tensor.copy_ of 1 GiB, bytes read +
-      written), then float32 all_reduce of 64 MiB .. MAX: per size the slowest rank's mean
-      time over ITERS ops, and the HBM traffic the path moves (docs/PERFORMANCE.md), N ranks
-      of S bytes each:
+      written, CUDA events), then float32 all_reduce of 64 MiB .. MAX: per size, after WARMUP
+      ops, the slowest rank's time per op as nccl-tests takes it (barrier, a host timer around
+      ITERS ops issued back to back with async_op=True, all waited for, the GPU synchronised:
+      "ms"), and the same for ITERS synchronous calls in a loop ("sync_ms"); and the HBM
+      traffic the path moves (docs/PERFORMANCE.md), N ranks of S bytes each:
         shared GPU (the default with every rank on one GPU): one kernel reads every rank's
           input once and writes every rank's output once: 2 N S bytes, the least any
           all_reduce of N separate buffers can move.
@@ -72,6 +74,19 @@ def timed(fn, iters, together=True):
     return start.elapsed_time(end) / iters
 
 
+def host_timed(issue, iters):
+    """nccl-tests' timing: every rank starts together (barrier), a host timer around the ops
+    issue() queues, every one waited for and the GPU synchronised; ms per op."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.monotonic()
+    for w in issue():
+        if w is not None:
+            w.wait()
+    torch.cuda.synchronize()
+    return (time.monotonic() - t0) * 1e3 / iters
+
+
 def latency(rank, world, dev, args):
     for size in (8, 64, 512, 4 << 10, 32 << 10, 64 << 10):
         n = size // 4
@@ -124,13 +139,19 @@ def bandwidth(rank, world, dev, args):
     while size <= args.max:
         n = size // 4
         t = torch.full((n,), float(rank + 1), device=dev)
-        dist.all_reduce(t)  # warm-up (maps the scratch, grows nothing later)
-        ms = timed(lambda: dist.all_reduce(t), args.iters)
+        for _ in range(args.warmup):
+            dist.all_reduce(t)
+        # nccl-tests' timing: barrier, a host timer around ITERS back-to-back ops, synchronize
+        ms = host_timed(lambda: [dist.all_reduce(t, async_op=True) for _ in range(args.iters)],
+                        args.iters)
+        # and a loop of synchronous calls, each waited for before the next is issued
+        sync_ms = host_timed(lambda: [dist.all_reduce(t) for _ in range(args.iters)],
+                             args.iters)
         t.fill_(float(rank + 1))
         dist.all_reduce(t)
         torch.cuda.synchronize()
         ok = bool((t == world * (world + 1) / 2).all())
-        ms = slowest(ms)
+        ms, sync_ms = slowest(ms), slowest(sync_ms)
         shared = os.environ.get("CHORUS_CUDA_SAME_GPU", "1") != "0"
         traffic = (2 * world if shared else 5 * world + 1) * size
         hbm = traffic / (ms * 1e-3) / 1e9
@@ -138,7 +159,9 @@ def bandwidth(rank, world, dev, args):
                algbw_gbps=size / (ms * 1e-3) / 1e9,
                busbw_gbps=size / (ms * 1e-3) / 1e9 * 2 * (world - 1) / world,
                path="shared GPU" if shared else "scratch two-shot",
-               traffic_bytes=traffic, hbm_gbps=hbm, of_copy=hbm / copy_gbs, correct=ok)
+               traffic_bytes=traffic, hbm_gbps=hbm, of_copy=hbm / copy_gbs,
+               sync_ms=sync_ms, sync_of_copy=traffic / (sync_ms * 1e-3) / 1e9 / copy_gbs,
+               correct=ok)
         if not ok:
             raise SystemExit(f"wrong all_reduce result at {size} bytes")
         del t
@@ -161,11 +184,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=("latency", "bandwidth", "hostfree"))
     ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--loop", type=int, default=10000)
     ap.add_argument("--max", type=parse_size, default=1 << 30)
     args = ap.parse_args()
     if args.iters is None:
-        args.iters = 1000 if args.mode == "latency" else 10
+        args.iters = 1000 if args.mode == "latency" else 20
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # gpu_check.sh hang: stacks
     # torchrun's recipe: the device first, the group bound to it (chorus then loads its
     # kernels at group creation, before any GPU work: docs/design.md, CUDA path)
