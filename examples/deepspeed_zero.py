@@ -70,12 +70,12 @@ def train(variant, args, rank, dev):
     import deepspeed
 
     model = make_model().to(dev)
-    # DeepSpeed puts each rank on cuda:LOCAL_RANK unless told (device_rank): name the device
+    # DeepSpeed puts each rank on cuda:LOCAL_RANK unless told (device_rank), and ZeRO-3's
+    # parameter partitioning takes its device from LOCAL_RANK alone: both name the device
     # the harness chose, so that several ranks may share one GPU
-    ds_args = types.SimpleNamespace(device_rank=dev.index) if dev.type == "cuda" else None
-    if dev.type == "cuda" and os.environ.get("LOCAL_RANK") != str(dev.index):
-        # ZeRO-3's parameter partitioning takes its device from LOCAL_RANK alone: with more
-        # ranks than GPUs that names no device, so it names this rank's
+    ds_args = None
+    if dev.type == "cuda":
+        ds_args = types.SimpleNamespace(device_rank=dev.index)
         os.environ["LOCAL_RANK"] = str(dev.index)
     engine, _, _, _ = deepspeed.initialize(args=ds_args, model=model,
                                            model_parameters=model.parameters(),

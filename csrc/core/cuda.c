@@ -200,8 +200,21 @@ int chorus_cuda_built(void) { return 1; }
 static _Atomic int preloaded[PRELOAD_DEVICES]; /* 1: kernels loaded in that device's context */
 static pthread_mutex_t preload_mu = PTHREAD_MUTEX_INITIALIZER;
 
-/* force: the caller knows a context exists (it holds memory on the device) or may make one */
-static int preload(int device, int force) {
+/* A driver function, found through the runtime (no link against libcuda); NULL if absent. */
+static void *driver_fn(const char *name) {
+  void *fn = NULL;
+  enum cudaDriverEntryPointQueryResult q;
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+      q != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    return NULL;
+  }
+  return fn;
+}
+
+/* make_context: the caller knows a context exists (it holds memory on the device) or may
+ * make one */
+int chorus_cuda_preload(int device, int make_context) {
   int old = -1;
   if (cudaGetDevice(&old) != cudaSuccess) {
     cudaGetLastError();
@@ -210,23 +223,14 @@ static int preload(int device, int force) {
   if (device < 0) device = old;
   if (device < 0 || device >= PRELOAD_DEVICES) return 0;
   if (atomic_load(&preloaded[device])) return 0;
-  if (!force) {
+  if (!make_context) {
     /* no context made here: a process that never uses this device keeps none there */
-    static CUresult (*get_state)(CUdevice, unsigned *, int *);
-    if (!get_state) {
-      void *fn = NULL;
-      enum cudaDriverEntryPointQueryResult q;
-      if (cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &fn, 12000,
-                                           cudaEnableDefault, &q) != cudaSuccess ||
-          q != cudaDriverEntryPointSuccess || !fn) {
-        cudaGetLastError();
-        return 0;
-      }
-      get_state = (CUresult(*)(CUdevice, unsigned *, int *))fn;
-    }
+    CUresult (*get_state)(CUdevice, unsigned *, int *) =
+        (CUresult(*)(CUdevice, unsigned *, int *))driver_fn("cuDevicePrimaryCtxGetState");
     unsigned flags = 0;
     int active = 0;
-    if (get_state((CUdevice)device, &flags, &active) != CUDA_SUCCESS || !active) return 0;
+    if (!get_state || get_state((CUdevice)device, &flags, &active) != CUDA_SUCCESS || !active)
+      return 0;
   }
   pthread_mutex_lock(&preload_mu);
   int loaded = 0, res = 0;
@@ -250,10 +254,6 @@ static int preload(int device, int force) {
   }
   pthread_mutex_unlock(&preload_mu);
   return res;
-}
-
-int chorus_cuda_preload(int device, int make_context) {
-  return preload(device, make_context);
 }
 
 /* Calls that may wait for the whole device (cudaFree, cudaFreeHost, cudaHostAlloc, the IPC
@@ -419,13 +419,10 @@ static chorus_result_t same_gpu_setup(struct chorus_comm *comm, struct cuda_stat
           cudaSuccess &&
       cudaIpcGetEventHandle(&mine.event, st->ev_mine) == cudaSuccess) {
     memcpy(mine.uuid, prop.uuid.bytes, sizeof mine.uuid);
-    void *fn = NULL;
-    enum cudaDriverEntryPointQueryResult q;
+    void *fn = driver_fn("cuPointerGetAttributes");
     st->exports = calloc(SG_EXPORTS, sizeof *st->exports);
     st->imports = calloc(SG_IMPORTS, sizeof *st->imports);
-    if (cudaGetDriverEntryPointByVersion("cuPointerGetAttributes", &fn, 12000,
-                                         cudaEnableDefault, &q) == cudaSuccess &&
-        q == cudaDriverEntryPointSuccess && fn && st->exports && st->imports) {
+    if (fn && st->exports && st->imports) {
       st->get_attrs = (CUresult(*)(unsigned, CUpointer_attribute *, void **, CUdeviceptr))fn;
       mine.ev_ok = 1;
     }
@@ -667,7 +664,7 @@ static void cuda_prepare(struct chorus_comm *comm, const struct op *op) {
   }
   /* the kernels, before an op needs one: this op still waits for them if the device is
    * busy now, no later op does (a no-op where group creation loaded them) */
-  if (collective) preload(op->device, 1);
+  if (collective) chorus_cuda_preload(op->device, 1);
   if (collective && !st->ipc_tried) ipc_setup(comm, st, op);
 restore:
   if (old >= 0 && old != op->device) cudaSetDevice(old);
@@ -1115,7 +1112,7 @@ out:
 /* Every rank: describe, exchange, and (when the executor ran it) order this rank's stream
  * after the executor's work. *ran = 0: nothing was queued, the caller takes another path. */
 static chorus_result_t same_gpu(struct chorus_comm *comm, struct cuda_state *st, struct op *op,
-                                int *ran) {
+                                int cls, int *ran) {
   struct sg_desc d;
   memset(&d, 0, sizeof d);
   *ran = 0;
@@ -1137,7 +1134,7 @@ static chorus_result_t same_gpu(struct chorus_comm *comm, struct cuda_state *st,
       CHECK(engine_poll_device(comm, op, &idle));
     }
   }
-  st->ns_sg_ready[size_class(coll_bytes(comm, op))] += (uint64_t)(now_ns() - t_ready);
+  st->ns_sg_ready[cls] += (uint64_t)(now_ns() - t_ready);
   if (!d.ready) {
     /* the executor may queue the op behind this rank's IPC event: this stream reaches it
      * once the caller's work before the op is done (a ready rank records nothing: the last
@@ -1181,7 +1178,7 @@ chorus_result_t cuda_run(struct chorus_comm *comm, struct op *op) {
     const int64_t t0 = now_ns();
     comm->last_algo = ALGO_ONESHOT;
     trace_op_algo(comm, op);
-    CHECK(same_gpu(comm, st, op, &ran));
+    CHECK(same_gpu(comm, st, op, cls, &ran));
     if (ran) {
       TRACE(SUB_COLL, comm->rank, "cuda: %s seq %llu queued on the shared GPU by rank %d",
             op_kind_name(op->kind), (unsigned long long)op->seq, SG_EXEC);
@@ -1321,17 +1318,16 @@ void cuda_teardown(struct chorus_comm *comm) {
            (unsigned long long)st->n_ipc[c], st->ns_ipc[c] / 1e3 / ni,
            (unsigned long long)st->n_sg[c], st->ns_sg[c] / 1e3 / ng);
   }
-  for (int c = 0; c < 4; c++)
-    if (st->n_sg[c])
-      INFO(SUB_COLL, comm->rank, "cuda: shared GPU, %s bytes: mean us per op: %.1f waiting for "
-           "the caller's event, %.1f in all", cls[c],
-           st->ns_sg_ready[c] / 1e3 / (double)st->n_sg[c], st->ns_sg[c] / 1e3 / (double)st->n_sg[c]);
-  for (int c = 0; c < 4; c++)
-    if (st->n_sg_run[c])
-      INFO(SUB_COLL, comm->rank, "cuda: executor, %s bytes: %llu runs, mean us %.1f per run, "
-           "%.1f of it waiting for the device", cls[c], (unsigned long long)st->n_sg_run[c],
-           st->ns_sg_run[c] / 1e3 / (double)st->n_sg_run[c],
-           st->ns_sg_drain[c] / 1e3 / (double)st->n_sg_run[c]);
+  for (int c = 0; c < 4; c++) {
+    const double ng = st->n_sg[c] ? (double)st->n_sg[c] : 1.0;
+    const double nr = st->n_sg_run[c] ? (double)st->n_sg_run[c] : 1.0;
+    if (st->n_sg[c] || st->n_sg_run[c])
+      INFO(SUB_COLL, comm->rank, "cuda: shared GPU, %s bytes: mean us per op %.1f waiting for "
+           "the caller's event; %llu executor runs, mean us %.1f per run, %.1f of it waiting "
+           "for the device", cls[c], st->ns_sg_ready[c] / 1e3 / ng,
+           (unsigned long long)st->n_sg_run[c], st->ns_sg_run[c] / 1e3 / nr,
+           st->ns_sg_drain[c] / 1e3 / nr);
+  }
   if (st->n_sg_fallback)
     INFO(SUB_COLL, comm->rank, "cuda: %llu collectives could not run on the shared GPU (see "
          "the earlier lines for why)", (unsigned long long)st->n_sg_fallback);
