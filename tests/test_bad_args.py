@@ -22,6 +22,8 @@ EXPECTED = {
     "list_length_all_gather": ("RuntimeError", r"all_gather: expected {w} output tensors"),
     "list_length_all_to_all": ("RuntimeError", r"all_to_all: expected {w} input and output "
                                r"tensors"),
+    "unsupported_dtype": ("RuntimeError", r"dtype UInt32 is not supported \(supported: "
+                          r"float32, .*float8_e4m3fn, float8_e5m2\)"),
     "invalid_root_broadcast": ("RuntimeError", r"broadcast: invalid root rank {w5} for a "
                                r"group of {w} ranks"),
     "invalid_peer_send": ("RuntimeError", r"send: invalid peer rank {w3} for a group of {w}"),

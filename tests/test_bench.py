@@ -210,6 +210,21 @@ def test_three_ranks_every_op_plain_columns():
     assert "speedup" not in out
 
 
+@pytest.mark.parametrize("dtype", ["f8e4m3", "float8_e5m2"])
+def test_float8_rows_are_checked(tmp_path, dtype):
+    # 3 ranks: sums of the pattern leave what float8 holds exactly and round once
+    rc, out, err, _ = bench("--nproc", 3, "-o", "all_reduce,reduce_scatter,all_gather",
+                            "-d", dtype, "-b", "8", "-e", "64K", "-f", "32", "-n", "2",
+                            "-w", "1", "--json", tmp_path / "r.json")
+    assert rc == 0, out + err
+    records = [r for r in json.loads((tmp_path / "r.json").read_text())
+               if r["backend"] == "chorus"]  # the memcpy record aside
+    assert len(records) == 3 * 3 * 2, records
+    want = "f8e4m3" if dtype == "f8e4m3" else "f8e5m2"  # nccl-tests' name for the alias
+    for r in records:
+        assert r["dtype"] == want and r["wrong"] == 0 and r["time_us"] > 0, r
+
+
 def test_wrong_result_is_detected():
     # Test-only hook: one element of the checked out-of-place output is changed.
     rc, out, err, _ = bench("--nproc", 2, "-o", "all_reduce,reduce_scatter", "-b", "1K",

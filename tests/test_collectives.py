@@ -27,6 +27,7 @@ COLLECTIVE_FAMILIES = [
     ("reduce_scatter_tensor_coalesced", 1),
     ("all_to_all_single", 1),  # with and without split sizes
     ("all_to_all", 1),
+    ("float8", 1),  # float8_e4m3fn / float8_e5m2: reductions with every float op, data movement
     ("noncontiguous", 1),  # works, or raises an error naming contiguity
 ]
 

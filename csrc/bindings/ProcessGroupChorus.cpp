@@ -81,6 +81,8 @@ const char* dtypeName(at::ScalarType st) {
     case at::kInt: return "int32";
     case at::kLong: return "int64";
     case at::kBool: return "bool";
+    case at::kFloat8_e4m3fn: return "float8_e4m3fn";
+    case at::kFloat8_e5m2: return "float8_e5m2";
     default: return c10::toString(st);
   }
 }
@@ -97,10 +99,12 @@ chorus_dtype_t toDtype(at::ScalarType st) {
     case at::kInt: return CHORUS_INT32;
     case at::kLong: return CHORUS_INT64;
     case at::kBool: return CHORUS_BOOL;
+    case at::kFloat8_e4m3fn: return CHORUS_FLOAT8_E4M3;
+    case at::kFloat8_e5m2: return CHORUS_FLOAT8_E5M2;
     default:
       TORCH_CHECK(false, "chorus: dtype ", c10::toString(st),
                   " is not supported (supported: float32, float64, float16, bfloat16, int8, "
-                  "uint8, int16, int32, int64, bool)");
+                  "uint8, int16, int32, int64, bool, float8_e4m3fn, float8_e5m2)");
   }
 }
 

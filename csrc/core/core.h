@@ -173,7 +173,7 @@ chorus_result_t comm_set_error(struct chorus_comm *comm, chorus_result_t res, co
 
 /* ------------------------------------------------------ dtypes and reductions (reduce.c) */
 static inline size_t dtype_size(chorus_dtype_t d) {
-  static const size_t sz[CHORUS_DTYPE_COUNT] = {1, 1, 2, 4, 8, 2, 2, 4, 8, 1};
+  static const size_t sz[CHORUS_DTYPE_COUNT] = {1, 1, 2, 4, 8, 2, 2, 4, 8, 1, 1, 1};
   return (unsigned)d < CHORUS_DTYPE_COUNT ? sz[d] : 0;
 }
 /* Is op valid for dtype (BAND/BOR/BXOR only on integers and bool)? */
@@ -218,6 +218,13 @@ float half_to_float(uint16_t h);
 uint16_t float_to_half(float f);     /* round to nearest even */
 float bf16_to_float(uint16_t b);
 uint16_t float_to_bf16(float f);     /* round to nearest even, NaN preserved */
+/* float8 as torch converts: round to nearest even; e4m3fn has no infinity and saturates
+ * (values beyond 448, inf too, give +-448); e5m2 overflows to inf; a NaN becomes
+ * 0x7f | sign in both */
+float e4m3_to_float(uint8_t x);
+uint8_t float_to_e4m3(float f);
+float e5m2_to_float(uint8_t x);
+uint8_t float_to_e5m2(float f);
 
 /* ------------------------------------------------------ netutil.c */
 int64_t now_ns(void);                             /* CLOCK_MONOTONIC in ns */

@@ -86,6 +86,54 @@ static inline uint16_t half_store(float value) {
   return (uint16_t)(o | sign);
 }
 
+/* float8 e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits, no infinities; 0x7f and 0xff
+ * are its only NaNs. Decoding moves the seven value bits under the float's exponent and
+ * rebiases; a subnormal (exponent 0) is mant * 2^-9, computed exactly as
+ * (2^14 + mant * 2^-9) - 2^14 (2^14 has an ulp of 2^-9). */
+static inline float e4m3_load(uint8_t x) {
+  uint32_t v = x & 0x7fu;
+  uint32_t normal = (v << 20) + ((uint32_t)(127 - 7) << 23);
+  uint32_t subnormal = f32_bits(f32_from_bits((141u << 23) | v) - 16384.0f);
+  uint32_t o = select_u32(v == 0x7fu, 0x7fc00000u, select_u32(v < 8, subnormal, normal));
+  return f32_from_bits(o | ((uint32_t)(x & 0x80u) << 24));
+}
+
+/* Round to nearest even, saturating as torch does: everything from 464 (halfway between
+ * 448, the largest value, and the NaN pattern above it) up, inf included, gives 448; NaN
+ * gives NaN. Below 2^-6 adding 2^14 leaves the subnormal result in the low mantissa bits,
+ * rounded by the FPU. */
+static inline uint8_t e4m3_store(float value) {
+  uint32_t f = f32_bits(value);
+  uint32_t sign = (f >> 24) & 0x80u;
+  f &= 0x7fffffffu;
+  uint32_t subnormal = f32_bits(f32_from_bits(f) + 16384.0f) - (141u << 23);
+  uint32_t normal = (f - ((uint32_t)(127 - 7) << 23) + 0x7ffffu + ((f >> 20) & 1u)) >> 20;
+  uint32_t special = select_u32(f > 0x7f800000u, 0x7fu, 0x7eu);
+  uint32_t o = select_u32(f >= 0x43e80000u, special, select_u32(f < (121u << 23), subnormal, normal));
+  return (uint8_t)(o | sign);
+}
+
+/* float8 e5m2 is the top byte of a float16 (5 exponent bits, 2 mantissa bits). */
+static inline float e5m2_load(uint8_t x) { return half_load((uint16_t)((uint16_t)x << 8)); }
+
+/* As half_store with two mantissa bits: overflow rounds to inf (the carry out of the
+ * mantissa reaches exponent 31); 2^16 and up, inf and NaN handled apart. Subnormals
+ * (below 2^-14) through 2^7, whose ulp is 2^-16. */
+static inline uint8_t e5m2_store(float value) {
+  uint32_t f = f32_bits(value);
+  uint32_t sign = (f >> 24) & 0x80u;
+  f &= 0x7fffffffu;
+  uint32_t special = select_u32(f > 0x7f800000u, 0x7fu, 0x7cu);
+  uint32_t subnormal = f32_bits(f32_from_bits(f) + 128.0f) - (134u << 23);
+  uint32_t normal = (f - ((uint32_t)(127 - 15) << 23) + 0xfffffu + ((f >> 21) & 1u)) >> 21;
+  uint32_t o = select_u32(f >= (143u << 23), special, select_u32(f < (113u << 23), subnormal, normal));
+  return (uint8_t)(o | sign);
+}
+
+float e4m3_to_float(uint8_t x) { return e4m3_load(x); }
+uint8_t float_to_e4m3(float f) { return e4m3_store(f); }
+float e5m2_to_float(uint8_t x) { return e5m2_load(x); }
+uint8_t float_to_e5m2(float f) { return e5m2_store(f); }
 float half_to_float(uint16_t h) { return half_load(h); }
 uint16_t float_to_half(float f) { return half_store(f); }
 float bf16_to_float(uint16_t b) { return bf16_load(b); }
@@ -100,6 +148,10 @@ uint16_t float_to_bf16(float f) { return bf16_store(f); }
 #define ST_CAST(T, x) ((T)(x))
 #define ST_BF16(T, x) bf16_store(x)
 #define ST_HALF(T, x) half_store(x)
+#define LD_E4M3(x) e4m3_load(x)
+#define LD_E5M2(x) e5m2_load(x)
+#define ST_E4M3(T, x) e4m3_store(x)
+#define ST_E5M2(T, x) e5m2_store(x)
 
 /* COMBINE(acc, x) folds the next input x into acc. Integer SUM/PROD run on the unsigned
  * type so overflow wraps without UB; "* 1u" keeps 16-bit products out of signed int. */
@@ -220,6 +272,15 @@ DEFINE_REDUCE(f16_sum, uint16_t, float, float, LD_HALF, ST_HALF, OP_ADD)
 DEFINE_REDUCE(f16_prod, uint16_t, float, float, LD_HALF, ST_HALF, OP_MUL)
 DEFINE_REDUCE(f16_min, uint16_t, float, float, LD_HALF, ST_HALF, OP_FMIN)
 DEFINE_REDUCE(f16_max, uint16_t, float, float, LD_HALF, ST_HALF, OP_FMAX)
+/* float8: in float, rounded once. */
+DEFINE_REDUCE(e4m3_sum, uint8_t, float, float, LD_E4M3, ST_E4M3, OP_ADD)
+DEFINE_REDUCE(e4m3_prod, uint8_t, float, float, LD_E4M3, ST_E4M3, OP_MUL)
+DEFINE_REDUCE(e4m3_min, uint8_t, float, float, LD_E4M3, ST_E4M3, OP_FMIN)
+DEFINE_REDUCE(e4m3_max, uint8_t, float, float, LD_E4M3, ST_E4M3, OP_FMAX)
+DEFINE_REDUCE(e5m2_sum, uint8_t, float, float, LD_E5M2, ST_E5M2, OP_ADD)
+DEFINE_REDUCE(e5m2_prod, uint8_t, float, float, LD_E5M2, ST_E5M2, OP_MUL)
+DEFINE_REDUCE(e5m2_min, uint8_t, float, float, LD_E5M2, ST_E5M2, OP_FMIN)
+DEFINE_REDUCE(e5m2_max, uint8_t, float, float, LD_E5M2, ST_E5M2, OP_FMAX)
 /* bool: inputs are true when non-zero, outputs are 0 or 1. */
 DEFINE_REDUCE(b_or, uint8_t, uint8_t, uint8_t, LD_BOOL, ST_CAST, OP_OR)
 DEFINE_REDUCE(b_and, uint8_t, uint8_t, uint8_t, LD_BOOL, ST_CAST, OP_AND)
@@ -248,6 +309,8 @@ static const reduce_fn kernel_table[CHORUS_DTYPE_COUNT][CHORUS_OP_COUNT] = {
     [CHORUS_BFLOAT16] = FLOAT_ROW(bf16),
     [CHORUS_FLOAT32] = FLOAT_ROW(f32),
     [CHORUS_FLOAT64] = FLOAT_ROW(f64),
+    [CHORUS_FLOAT8_E4M3] = FLOAT_ROW(e4m3),
+    [CHORUS_FLOAT8_E5M2] = FLOAT_ROW(e5m2),
     [CHORUS_BOOL] = {[CHORUS_SUM] = b_or, [CHORUS_PROD] = b_and, [CHORUS_MIN] = b_and,
                      [CHORUS_MAX] = b_or, [CHORUS_BAND] = b_and, [CHORUS_BOR] = b_or,
                      [CHORUS_BXOR] = b_xor},
@@ -443,7 +506,8 @@ void copy_stream(void *dst, const void *src, size_t n) {
 bool reduce_op_supported(chorus_dtype_t dtype, chorus_op_kind_t op) {
   if ((unsigned)dtype >= CHORUS_DTYPE_COUNT || (unsigned)op >= CHORUS_OP_COUNT) return false;
   bool is_float = dtype == CHORUS_FLOAT16 || dtype == CHORUS_BFLOAT16 ||
-                  dtype == CHORUS_FLOAT32 || dtype == CHORUS_FLOAT64;
+                  dtype == CHORUS_FLOAT32 || dtype == CHORUS_FLOAT64 ||
+                  dtype == CHORUS_FLOAT8_E4M3 || dtype == CHORUS_FLOAT8_E5M2;
   switch (op) {
     case CHORUS_BAND:
     case CHORUS_BOR:
@@ -535,6 +599,8 @@ void reduce_premul(void *out, const void *in, size_t count, chorus_dtype_t dtype
       break;
     case CHORUS_FLOAT32: PREMUL_LOOP(float, (float)((double)x * factor)); break;
     case CHORUS_FLOAT64: PREMUL_LOOP(double, x * factor); break;
+    case CHORUS_FLOAT8_E4M3: PREMUL_LOOP(uint8_t, e4m3_store((float)((double)e4m3_load(x) * factor))); break;
+    case CHORUS_FLOAT8_E5M2: PREMUL_LOOP(uint8_t, e5m2_store((float)((double)e5m2_load(x) * factor))); break;
     case CHORUS_BOOL: PREMUL_LOOP(uint8_t, (uint8_t)((double)(x != 0) * factor != 0)); break;
     default: break;
   }
@@ -606,6 +672,18 @@ void reduce_divide(void *buf, size_t count, chorus_dtype_t dtype, int divisor) {
       for (size_t i = 0; i < count; i++) b[i] /= d;
       break;
     }
+    case CHORUS_FLOAT8_E4M3: {
+      uint8_t *b = buf;
+      float d = (float)divisor;
+      for (size_t i = 0; i < count; i++) b[i] = e4m3_store(e4m3_load(b[i]) / d);
+      break;
+    }
+    case CHORUS_FLOAT8_E5M2: {
+      uint8_t *b = buf;
+      float d = (float)divisor;
+      for (size_t i = 0; i < count; i++) b[i] = e5m2_store(e5m2_load(b[i]) / d);
+      break;
+    }
     default: /* bool: AVG is not supported; nothing sensible to do */
       break;
   }
@@ -619,7 +697,8 @@ const char *chorus_dtype_name(chorus_dtype_t dtype) {
       [CHORUS_INT8] = "int8",        [CHORUS_UINT8] = "uint8",     [CHORUS_INT16] = "int16",
       [CHORUS_INT32] = "int32",      [CHORUS_INT64] = "int64",     [CHORUS_FLOAT16] = "float16",
       [CHORUS_BFLOAT16] = "bfloat16", [CHORUS_FLOAT32] = "float32", [CHORUS_FLOAT64] = "float64",
-      [CHORUS_BOOL] = "bool"};
+      [CHORUS_BOOL] = "bool",        [CHORUS_FLOAT8_E4M3] = "float8_e4m3fn",
+      [CHORUS_FLOAT8_E5M2] = "float8_e5m2"};
   return (unsigned)dtype < CHORUS_DTYPE_COUNT ? names[dtype] : "unknown";
 }
 

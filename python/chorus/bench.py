@@ -91,15 +91,19 @@ NO_INPLACE = ("alltoall", "sendrecv")
 DTYPES = {  # nccl-tests names first, then aliases
     "float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
     "double": torch.float64, "int32": torch.int32, "int64": torch.int64, "int8": torch.int8,
-    "uint8": torch.uint8,
+    "uint8": torch.uint8, "f8e4m3": torch.float8_e4m3fn, "f8e5m2": torch.float8_e5m2,
 }
 DTYPE_ALIASES = {"float32": "float", "float16": "half", "fp16": "half", "bf16": "bfloat16",
-                 "float64": "double", "int": "int32"}
+                 "float64": "double", "int": "int32", "float8_e4m3fn": "f8e4m3",
+                 "fp8_e4m3": "f8e4m3", "float8_e5m2": "f8e5m2", "fp8_e5m2": "f8e5m2"}
 REDOPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
           "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG}
 # Relative tolerance of the check per float dtype (data are exact; only avg divides).
 TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-12, torch.float16: 2e-3,
-             torch.bfloat16: 1.6e-2}
+             torch.bfloat16: 1.6e-2,
+             # float8: one ulp (sums of the pattern exceed what the format holds exactly;
+             # a peer that rounds at every step of a ring stays within it on a few ranks)
+             torch.float8_e4m3fn: 0.125, torch.float8_e5m2: 0.25}
 AVERAGE_NAMES = {0: "rank 0", 1: "mean over ranks", 2: "min over ranks", 3: "max over ranks"}
 MEMCPY_BYTES = 64 << 20
 EXIT_USAGE, EXIT_ERROR, EXIT_WRONG = 2, 1, 3

@@ -1,6 +1,6 @@
 /* test_reduce.c - unit tests of reduce.c: every dtype x op x input count against a
  * reference computed here from first principles (no code shared with reduce.c), aliasing,
- * NaN and overflow rules, fp16/bf16 conversions, reduce_premul, reduce_divide, names. */
+ * NaN and overflow rules, fp16/bf16/float8 conversions, reduce_premul, reduce_divide, names. */
 #include <float.h>
 #include <math.h>
 #include <stdio.h>
@@ -44,9 +44,10 @@ static float ffrom(uint32_t u) {
   return f;
 }
 
+static int is_fp8(chorus_dtype_t d) { return d == CHORUS_FLOAT8_E4M3 || d == CHORUS_FLOAT8_E5M2; }
 static int is_float_dtype(chorus_dtype_t d) {
   return d == CHORUS_FLOAT16 || d == CHORUS_BFLOAT16 || d == CHORUS_FLOAT32 ||
-         d == CHORUS_FLOAT64;
+         d == CHORUS_FLOAT64 || is_fp8(d);
 }
 
 /* ------------------------------------------------------------------ reference 16-bit floats */
@@ -100,6 +101,106 @@ static uint16_t ref_to_half(double v) { return ref_round(v, 10, -14, 15, 5); }
 static uint16_t ref_to_bf16(double v) { return ref_round(v, 7, -126, 127, 8); }
 static int half_is_nan(uint16_t h) { return (h & 0x7c00) == 0x7c00 && (h & 0x3ff); }
 static int bf16_is_nan(uint16_t b) { return (b & 0x7f80) == 0x7f80 && (b & 0x7f); }
+
+/* ------------------------------------------------------------------ reference float8 */
+/* e4m3fn: bias 7, no infinities, S.1111.111 is NaN. e5m2: bias 15, IEEE rules. */
+static double ref_e4m3_value(uint8_t b) {
+  int exp = (b >> 3) & 15, mant = b & 7;
+  double v = exp == 15 && mant == 7 ? NAN : exp == 0 ? ldexp(mant, -9) : ldexp(8 + mant, exp - 10);
+  return (b & 0x80) ? -v : v;
+}
+static double ref_e5m2_value(uint8_t b) {
+  int exp = (b >> 2) & 31, mant = b & 3;
+  double v = exp == 31 ? (mant ? NAN : INFINITY) : exp == 0 ? ldexp(mant, -16) : ldexp(4 + mant, exp - 17);
+  return (b & 0x80) ? -v : v;
+}
+/* Nearest value with mant_bits mantissa bits and exponents down to emin, ties to even;
+ * above max_finite (and inf): overflow_code (e4m3fn saturates to 448 as torch does, e5m2
+ * gives inf); NaN -> 0x7f | sign. */
+static uint8_t ref_to_fp8(double v, int mant_bits, int emin, int bias, double max_finite,
+                          uint8_t overflow_code) {
+  uint8_t sign = signbit(v) ? 0x80 : 0;
+  if (isnan(v)) return sign | 0x7f; /* torch keeps a NaN's sign */
+  double a = fabs(v);
+  if (isinf(a)) return sign | overflow_code;
+  if (a == 0) return sign;
+  int e;
+  frexp(a, &e);
+  int E = e - 1 < emin ? emin : e - 1;
+  double quantum = ldexp(1.0, E - mant_bits);
+  double r = nearbyint(a / quantum) * quantum;
+  if (r > max_finite) return sign | overflow_code;
+  if (r < ldexp(1.0, emin)) return sign | (uint8_t)(r / ldexp(1.0, emin - mant_bits));
+  frexp(r, &e);
+  E = e - 1;
+  uint8_t mant = (uint8_t)((r / ldexp(1.0, E) - 1.0) * (1 << mant_bits));
+  return (uint8_t)(sign | ((E + bias) << mant_bits) | mant);
+}
+static uint8_t ref_to_e4m3(double v) { return ref_to_fp8(v, 3, -6, 7, 448.0, 0x7e); }
+static uint8_t ref_to_e5m2(double v) { return ref_to_fp8(v, 2, -14, 15, 57344.0, 0x7c); }
+static int e4m3_is_nan(uint8_t b) { return (b & 0x7f) == 0x7f; }
+static int e5m2_is_nan(uint8_t b) { return (b & 0x7c) == 0x7c && (b & 3); }
+
+static void test_fp8_conversions(void) {
+  int bad_decode = 0, bad_trip = 0;
+  for (int b = 0; b < 256; b++) {
+    double w4 = ref_e4m3_value((uint8_t)b), w5 = ref_e5m2_value((uint8_t)b);
+    float g4 = e4m3_to_float((uint8_t)b), g5 = e5m2_to_float((uint8_t)b);
+    if (isnan(w4) ? !isnan(g4) : (double)g4 != w4 || !signbit(g4) != !signbit(w4)) bad_decode++;
+    if (isnan(w5) ? !isnan(g5) : (double)g5 != w5 || !signbit(g5) != !signbit(w5)) bad_decode++;
+    uint8_t t4 = float_to_e4m3(g4), t5 = float_to_e5m2(g5);
+    /* every NaN comes back as 0x7f with its sign */
+    if (e4m3_is_nan((uint8_t)b) ? t4 != ((b & 0x80) | 0x7f) : t4 != b) bad_trip++;
+    if (e5m2_is_nan((uint8_t)b) ? t5 != ((b & 0x80) | 0x7f) : t5 != b) bad_trip++;
+  }
+  EXPECT(bad_decode == 0, "float8 decode wrong for %d values", bad_decode);
+  EXPECT(bad_trip == 0, "float8 round trip wrong for %d values", bad_trip);
+
+  /* Midpoints between neighbours (the top one against 480 / 65536, the first value past
+   * the largest finite) round to the even code; a float ulp either side decides. e4m3fn
+   * saturates: past the top midpoint is still 448 (0x7e). */
+  int bad_tie = 0;
+  for (int fmt = 0; fmt < 2; fmt++) {
+    uint8_t top = fmt == 0 ? 0x7e : 0x7b;
+    for (int b = 0; b <= top; b++) {
+      double lo = fmt == 0 ? ref_e4m3_value((uint8_t)b) : ref_e5m2_value((uint8_t)b);
+      double hi = b == top ? (fmt == 0 ? 480.0 : 65536.0)
+                           : fmt == 0 ? ref_e4m3_value((uint8_t)(b + 1)) : ref_e5m2_value((uint8_t)(b + 1));
+      float mid = (float)((lo + hi) / 2); /* exact: at most 5 significant bits */
+      uint8_t even = (b & 1) ? (uint8_t)(b + 1) : (uint8_t)b;
+      uint8_t (*to)(float) = fmt == 0 ? float_to_e4m3 : float_to_e5m2;
+      if (to(mid) != even) bad_tie++;
+      if (to(nextafterf(mid, INFINITY)) != (fmt == 0 && b == top ? top : b + 1)) bad_tie++;
+      if (to(nextafterf(mid, 0)) != b) bad_tie++;
+      if (to(-mid) != (even | 0x80)) bad_tie++;
+    }
+  }
+  EXPECT(bad_tie == 0, "float8 ties wrong %d times", bad_tie);
+
+  /* A sweep over the float bit patterns against the reference rounding. */
+  int bad4 = 0, bad5 = 0;
+  for (uint64_t u = 0; u < (1ull << 32); u += 1021) {
+    float f = ffrom((uint32_t)u);
+    if (float_to_e4m3(f) != ref_to_e4m3(f)) bad4++;
+    if (float_to_e5m2(f) != ref_to_e5m2(f)) bad5++;
+  }
+  EXPECT(bad4 == 0, "float_to_e4m3 differs from reference %d times", bad4);
+  EXPECT(bad5 == 0, "float_to_e5m2 differs from reference %d times", bad5);
+
+  /* Named cases. */
+  EXPECT(float_to_e4m3(448.0f) == 0x7e && float_to_e4m3(464.0f) == 0x7e, "448, 464 ties down");
+  EXPECT(float_to_e4m3(464.5f) == 0x7e && float_to_e4m3(1e6f) == 0x7e, "e4m3 saturates");
+  EXPECT(float_to_e4m3(-INFINITY) == 0xfe && float_to_e4m3(NAN) == 0x7f, "e4m3 inf, NaN");
+  EXPECT(float_to_e4m3(-NAN) == 0xff, "e4m3 NaN keeps its sign");
+  EXPECT(float_to_e4m3(0x1p-9f) == 0x01 && float_to_e4m3(0x1p-10f) == 0x00, "e4m3 smallest subnormal");
+  EXPECT(float_to_e4m3(0x3p-10f) == 0x02 && float_to_e4m3(-0.0f) == 0x80, "e4m3 subnormal tie, -0");
+  EXPECT(float_to_e5m2(57344.0f) == 0x7b && float_to_e5m2(61440.0f) == 0x7c, "e5m2 top, tie to inf");
+  EXPECT(float_to_e5m2(-INFINITY) == 0xfc && float_to_e5m2(-NAN) == 0xff, "e5m2 inf, NaN");
+  EXPECT(float_to_e5m2(0x1p-16f) == 0x01 && float_to_e5m2(0x1p-17f) == 0x00, "e5m2 smallest subnormal");
+  EXPECT(float_to_e5m2(ffrom(0x7f800001)) == 0x7f, "e5m2 NaN with low payload stays NaN");
+  EXPECT(e4m3_to_float(0x7f) != e4m3_to_float(0x7f) && e4m3_to_float(0x7e) == 448.0f, "e4m3 decode");
+  EXPECT(isinf(e5m2_to_float(0x7c)) && e5m2_to_float(0x01) == 0x1p-16f, "e5m2 decode");
+}
 
 /* ------------------------------------------------------------------ conversions */
 static void test_conversions(void) {
@@ -266,6 +367,16 @@ static void ref_reduce(void *out, void *const *in, int n, size_t count, chorus_d
         else acc = (float)fpick(op, acc, x);
       }
       ((uint16_t *)out)[i] = d == CHORUS_FLOAT16 ? ref_to_half(acc) : ref_to_bf16(acc);
+    } else if (is_fp8(d)) {
+      double (*val)(uint8_t) = d == CHORUS_FLOAT8_E4M3 ? ref_e4m3_value : ref_e5m2_value;
+      float acc = (float)val(((const uint8_t *)in[0])[i]);
+      for (int k = 1; k < n; k++) {
+        float x = (float)val(((const uint8_t *)in[k])[i]);
+        if (op == CHORUS_SUM) acc = acc + x;
+        else if (op == CHORUS_PROD) acc = acc * x;
+        else acc = (float)fpick(op, acc, x);
+      }
+      ((uint8_t *)out)[i] = d == CHORUS_FLOAT8_E4M3 ? ref_to_e4m3(acc) : ref_to_e5m2(acc);
     } else if (d == CHORUS_FLOAT32) {
       const float *const *fin = (const float *const *)in;
       float result;
@@ -308,6 +419,14 @@ static int element_matches(const void *got, const void *want, size_t i, chorus_d
       float g = ((const float *)got)[i], w = ((const float *)want)[i];
       return isnan(w) ? isnan(g) : fbits(g) == fbits(w);
     }
+    case CHORUS_FLOAT8_E4M3: {
+      uint8_t g = ((const uint8_t *)got)[i], w = ((const uint8_t *)want)[i];
+      return e4m3_is_nan(w) ? e4m3_is_nan(g) : g == w;
+    }
+    case CHORUS_FLOAT8_E5M2: {
+      uint8_t g = ((const uint8_t *)got)[i], w = ((const uint8_t *)want)[i];
+      return e5m2_is_nan(w) ? e5m2_is_nan(g) : g == w;
+    }
     case CHORUS_FLOAT64: {
       double g = ((const double *)got)[i], w = ((const double *)want)[i];
       return isnan(w) ? isnan(g) : memcmp(&g, &w, 8) == 0;
@@ -343,9 +462,18 @@ static uint16_t gen_16(chorus_dtype_t d) {
   }
   return (uint16_t)(((r >> 20) & 0x8000) | ((120 + (r >> 24) % 15) << 7) | ((r >> 32) & 0x7f));
 }
+static uint8_t gen_8(chorus_dtype_t d) {
+  uint64_t r = rng();
+  if (r % 100 < 15) return (uint8_t)(r >> 16); /* anything, NaN and inf included */
+  /* exponent fields around 1.0: values 2^-3 .. 2^3 */
+  if (d == CHORUS_FLOAT8_E4M3)
+    return (uint8_t)(((r >> 20) & 0x80) | ((4 + (r >> 24) % 7) << 3) | ((r >> 32) & 7));
+  return (uint8_t)(((r >> 20) & 0x80) | ((12 + (r >> 24) % 7) << 2) | ((r >> 32) & 3));
+}
 static void gen_input(void *p, size_t count, chorus_dtype_t d) {
   for (size_t i = 0; i < count; i++) {
     switch (d) {
+      case CHORUS_FLOAT8_E4M3: case CHORUS_FLOAT8_E5M2: ((uint8_t *)p)[i] = gen_8(d); break;
       case CHORUS_FLOAT16: case CHORUS_BFLOAT16: ((uint16_t *)p)[i] = gen_16(d); break;
       case CHORUS_FLOAT32: ((float *)p)[i] = gen_float(); break;
       case CHORUS_FLOAT64: {
@@ -638,6 +766,8 @@ static void test_premul(void) {
             case CHORUS_FLOAT32: ((float *)want)[i] = (float)((double)((float *)src)[i] * f); break;
             case CHORUS_FLOAT64: ((double *)want)[i] = ((double *)src)[i] * f; break;
             case CHORUS_BOOL: ((uint8_t *)want)[i] = ((uint8_t *)src)[i] != 0 && f != 0; break;
+            case CHORUS_FLOAT8_E4M3: ((uint8_t *)want)[i] = ref_to_e4m3((float)(ref_e4m3_value(((uint8_t *)src)[i]) * f)); break;
+            case CHORUS_FLOAT8_E5M2: ((uint8_t *)want)[i] = ref_to_e5m2((float)(ref_e5m2_value(((uint8_t *)src)[i]) * f)); break;
           }
         }
         memset(dst, 0xCD, bytes + GUARD);
@@ -682,6 +812,8 @@ static void test_divide(void) {
           case CHORUS_FLOAT32: ((float *)want)[i] = (float)((double)((float *)buf)[i] / v); break;
           case CHORUS_FLOAT64: ((double *)want)[i] = ((double *)buf)[i] / v; break;
           case CHORUS_BOOL: break; /* unchanged */
+          case CHORUS_FLOAT8_E4M3: ((uint8_t *)want)[i] = ref_to_e4m3((float)ref_e4m3_value(buf[i]) / (float)v); break;
+          case CHORUS_FLOAT8_E5M2: ((uint8_t *)want)[i] = ref_to_e5m2((float)ref_e5m2_value(buf[i]) / (float)v); break;
           default: {
             if (v == 0) break; /* integers: division by zero leaves the data */
             int64_t x = get_int(buf, i, (chorus_dtype_t)d);
@@ -713,8 +845,9 @@ static void test_divide(void) {
 /* ------------------------------------------------------------------ names */
 static void test_names(void) {
   static const char *const dnames[] = {"int8", "uint8", "int16", "int32", "int64",
-                                       "float16", "bfloat16", "float32", "float64", "bool"};
-  static const size_t sizes[] = {1, 1, 2, 4, 8, 2, 2, 4, 8, 1};
+                                       "float16", "bfloat16", "float32", "float64", "bool",
+                                       "float8_e4m3fn", "float8_e5m2"};
+  static const size_t sizes[] = {1, 1, 2, 4, 8, 2, 2, 4, 8, 1, 1, 1};
   static const char *const onames[] = {"sum", "prod", "min", "max", "avg",
                                        "premul_sum", "band", "bor", "bxor"};
   for (int d = 0; d < CHORUS_DTYPE_COUNT; d++) {
@@ -732,6 +865,7 @@ int main(void) {
   test_names();
   test_op_supported();
   test_conversions();
+  test_fp8_conversions();
   test_reduce_matrix();
   test_nan_propagation();
   test_integer_wrap();

@@ -24,8 +24,9 @@
   } while (0)
 
 static const char *const DTYPE_NAME[] = {"int8",     "uint8",   "int16",   "int32",  "int64",
-                                         "float16", "bfloat16", "float32", "float64", "bool"};
-static const size_t ES[] = {1, 1, 2, 4, 8, 2, 2, 4, 8, 1};
+                                         "float16", "bfloat16", "float32", "float64", "bool",
+                                         "float8_e4m3fn", "float8_e5m2"};
+static const size_t ES[] = {1, 1, 2, 4, 8, 2, 2, 4, 8, 1, 1, 1};
 
 static cudaStream_t stream;
 static cudaEvent_t ev0, ev1;

@@ -60,11 +60,12 @@ enum flavour { INTS, ARITH, PAYLOAD, ANY };
 static const char *const FLAVOUR_NAME[] = {"ints", "arith", "payload", "any"};
 
 static const char *const DTYPE_NAME[] = {"int8",     "uint8",   "int16",   "int32",  "int64",
-                                         "float16", "bfloat16", "float32", "float64", "bool"};
+                                         "float16", "bfloat16", "float32", "float64", "bool",
+                                         "float8_e4m3fn", "float8_e5m2"};
 static const char *const OP_NAME[] = {"sum", "prod",  "min", "max", "avg",
                                       "premul_sum", "band", "bor", "bxor"};
 
-static const size_t ES[] = {1, 1, 2, 4, 8, 2, 2, 4, 8, 1};
+static const size_t ES[] = {1, 1, 2, 4, 8, 2, 2, 4, 8, 1, 1, 1};
 
 /* ------------------------------------------------------------------ state */
 static uint8_t *h_in[MAXN];           /* host inputs, MAXC elements each */
@@ -125,9 +126,21 @@ static uint64_t gen_bool(void) {
 
 struct fmt {
   int ebits, mbits;
+  int no_inf; /* float8_e4m3fn: the top exponent holds numbers, S.1111.111 is the only NaN */
 };
-static const struct fmt FMT_F16 = {5, 10}, FMT_BF16 = {8, 7}, FMT_F32 = {8, 23},
-                        FMT_F64 = {11, 52};
+static const struct fmt FMT_F16 = {5, 10, 0}, FMT_BF16 = {8, 7, 0}, FMT_F32 = {8, 23, 0},
+                        FMT_F64 = {11, 52, 0}, FMT_E4M3 = {4, 3, 1}, FMT_E5M2 = {5, 2, 0};
+
+static struct fmt fmt_of(chorus_dtype_t dt) {
+  switch (dt) {
+    case CHORUS_FLOAT16: return FMT_F16;
+    case CHORUS_BFLOAT16: return FMT_BF16;
+    case CHORUS_FLOAT32: return FMT_F32;
+    case CHORUS_FLOAT8_E4M3: return FMT_E4M3;
+    case CHORUS_FLOAT8_E5M2: return FMT_E5M2;
+    default: return FMT_F64;
+  }
+}
 
 static uint64_t make_float(struct fmt f, uint64_t sign, uint64_t exp, uint64_t mant) {
   return (sign << (f.ebits + f.mbits)) | (exp << f.mbits) | (mant & ((1ull << f.mbits) - 1));
@@ -135,6 +148,8 @@ static uint64_t make_float(struct fmt f, uint64_t sign, uint64_t exp, uint64_t m
 
 static uint64_t gen_nan(struct fmt f, int any_payload) {
   uint64_t emax = (1ull << f.ebits) - 1, quiet = 1ull << (f.mbits - 1);
+  /* e4m3fn: 0xff decodes to the x86 default NaN (sign set, quiet) */
+  if (f.no_inf) return any_payload ? ((rnd() & 1) << 7) | 0x7f : 0xff;
   if (!any_payload) return make_float(f, 1, emax, quiet); /* x86 default NaN */
   uint64_t r = rnd(), mant = (r >> 2) & ((1ull << f.mbits) - 1);
   if (!mant) mant = 1;
@@ -158,7 +173,8 @@ static uint64_t gen_finite(struct fmt f, int spread, int wide) {
 
 static uint64_t gen_float(struct fmt f, enum flavour fl) {
   uint64_t r = rnd() % 32, emax = (1ull << f.ebits) - 1;
-  if (r == 0) return make_float(f, rnd() & 1, emax, 0); /* +-inf */
+  if (r == 0) /* +-inf, or the largest finite value where the format has no inf */
+    return make_float(f, rnd() & 1, emax, f.no_inf ? (1ull << f.mbits) - 2 : 0);
   if (r == 1 || r == 2) return gen_nan(f, fl == ANY);
   return gen_finite(f, f.ebits >= 8 ? 10 : 6, 1);
 }
@@ -175,16 +191,15 @@ static void fill_payload(struct fmt f, size_t es, int nin) {
 
 static void fill_inputs(chorus_dtype_t dt, enum flavour fl) {
   static const int bits[] = {8, 8, 16, 32, 64};
-  const struct fmt fmts[] = {FMT_F16, FMT_BF16, FMT_F32, FMT_F64};
   size_t es = ES[dt];
   if (fl == PAYLOAD) {
-    fill_payload(fmts[dt - CHORUS_FLOAT16], es, MAXN);
+    fill_payload(fmt_of(dt), es, MAXN);
   } else {
     for (int k = 0; k < MAXN; k++)
       for (size_t i = 0; i < MAXC; i++) {
         uint64_t v = dt == CHORUS_BOOL         ? gen_bool()
                      : dt <= CHORUS_INT64      ? gen_int(bits[dt], dt != CHORUS_UINT8)
-                                               : gen_float(fmts[dt - CHORUS_FLOAT16], fl);
+                                               : gen_float(fmt_of(dt), fl);
         put(h_in[k], i, es, v);
       }
   }
@@ -358,7 +373,7 @@ static void sweep_premul(chorus_dtype_t dt, enum flavour fl) {
 
 static int is_float(chorus_dtype_t dt) {
   return dt == CHORUS_FLOAT16 || dt == CHORUS_BFLOAT16 || dt == CHORUS_FLOAT32 ||
-         dt == CHORUS_FLOAT64;
+         dt == CHORUS_FLOAT64 || dt == CHORUS_FLOAT8_E4M3 || dt == CHORUS_FLOAT8_E5M2;
 }
 
 /* Which ops a flavour of inputs is valid for (see enum flavour). */

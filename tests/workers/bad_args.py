@@ -39,6 +39,7 @@ case("list_length_all_gather",
      lambda: dist.all_gather([torch.zeros(8) for _ in range(world + 1)], x))
 case("list_length_all_to_all",
      lambda: dist.all_to_all([torch.zeros(2)] * world, [torch.ones(2)] * (world + 1)))
+case("unsupported_dtype", lambda: dist.all_reduce(torch.ones(4, dtype=torch.uint32)))
 case("invalid_root_broadcast", lambda: dist.broadcast(x, src=world + 5))
 case("invalid_peer_send", lambda: pg.send([x], world + 3, 0).wait())
 case("negative_tag_send", lambda: pg.send([x], (rank + 1) % world, -1).wait())

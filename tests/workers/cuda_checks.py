@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+import float8  # noqa: E402
 from common import (DTYPES, allreduce_behind_sleep, compare, init_dist, kind_for,  # noqa: E402
                     make_data, ops_for, poison_like, premul_factor, reference_reduce,
                     torch_op)
@@ -234,6 +235,12 @@ def main():
             check(f"gather {dname} n={n} root={root}", gather, dt, n, ("ga", dname, n), root)
             check(f"scatter {dname} n={n} root={root}", scatter, dt, n, ("sc", dname, n), root)
             check(f"send/recv {dname} n={n}", send_recv, dt, n, ("p2p", dname, n))
+
+    # ---------------------------------------------------------------- float8
+    # every float op and the data movement, on the GPU (float8.py: exact references)
+    for case, fn in float8.cases(rank, world, device=dev, sizes=sizes):
+        check(" ".join(f"{k}={v}" if k not in ("coll", "dtype", "op") else str(v)
+                       for k, v in case.items()), fn)
 
     # ---------------------------------------------------------------- stream semantics
     def stream_order():

@@ -449,6 +449,13 @@ def fam_noncontiguous(ctx):
         ctx.check(dict(case, then="group still works"), after)
 
 
+# ------------------------------------------------------------------ float8
+def fam_float8(ctx):
+    import float8
+    for case, fn in float8.cases(ctx.rank, ctx.world, lambda: ctx.group):
+        ctx.check(case, fn)
+
+
 FAMILIES = [
     ("broadcast", fam_broadcast, 1),
     ("all_reduce", fam_all_reduce, 1),
@@ -464,5 +471,6 @@ FAMILIES = [
     ("reduce_scatter_tensor_coalesced", fam_reduce_scatter_tensor_coalesced, 1),
     ("all_to_all_single", fam_all_to_all_single, 1),
     ("all_to_all", fam_all_to_all, 1),
+    ("float8", fam_float8, 1),
 ]
 LATE_FAMILIES = [("noncontiguous", fam_noncontiguous, 1)]

@@ -353,15 +353,17 @@ static void topo_of_comm(const struct chorus_comm *comm, struct tune_topo *t) {
  * implemented. Checks that depend only on the topology belong in tune_topo_ok (so that
  * chorus_tune_plan sees them too); checks on the op's shape go here. Every input must be
  * equal on all ranks of a correct program. */
-/* fp16/bf16 sums and products must round once, to within 2 ulp of the float32-accumulated
- * result (the foundation's bar): a schedule that adds partial results in steps (ring, trees,
+/* fp16/bf16 (and float8) sums and products must round once, to within 2 ulp of the
+ * float32-accumulated result (the foundation's bar): a schedule that adds partial results in steps (ring, trees,
  * halving-doubling, the hierarchy) rounds to the dtype at every step and drifts several ulp
  * where terms cancel. With more than two ranks those ops go to schedules in which one rank
  * combines every input in a single float32 pass: direct, oneshot, twoshot. */
 static int rounds_in_steps(const struct chorus_comm *comm, const struct op *op, int id) {
   if (comm->nranks <= 2) return 0;
   if (comm->stepwise_halves_ok && id == comm->algo_force[op->kind]) return 0;
-  if (op->dtype != CHORUS_FLOAT16 && op->dtype != CHORUS_BFLOAT16) return 0;
+  if (op->dtype != CHORUS_FLOAT16 && op->dtype != CHORUS_BFLOAT16 &&
+      op->dtype != CHORUS_FLOAT8_E4M3 && op->dtype != CHORUS_FLOAT8_E5M2)
+    return 0;
   if (op->kind != OP_ALLREDUCE && op->kind != OP_REDUCE && op->kind != OP_REDUCE_SCATTER)
     return 0;
   switch (op->op.kind) {
@@ -849,7 +851,7 @@ int algo_select(struct chorus_comm *comm, const struct op *op) {
       else if (force >= 0 && v && !(algo_v_ok & (1u << force)))
         why = "it does not take unequal counts";
       else if (force >= 0 && rounds_in_steps(comm, op, force))
-        why = "it would round fp16/bf16 partial results at every step";
+        why = "it would round 16-bit or float8 partial results at every step";
       WARN(comm->rank, "%s=\"%s\" asks for %s for %s, but %s; the tuner chooses %s instead",
            st->source, param_str(PARAM_ALGO), want, op_kind_name(op->kind),
            force >= 0 ? why : "none of them can run it here", algo_name(pk.id));

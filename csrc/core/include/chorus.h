@@ -41,6 +41,8 @@ typedef enum {
   CHORUS_FLOAT32,
   CHORUS_FLOAT64,
   CHORUS_BOOL,
+  CHORUS_FLOAT8_E4M3, /* torch.float8_e4m3fn: no infinities, 0x7f/0xff NaN, max 448 */
+  CHORUS_FLOAT8_E5M2, /* torch.float8_e5m2: IEEE-like, max 57344 */
   CHORUS_DTYPE_COUNT
 } chorus_dtype_t;
 

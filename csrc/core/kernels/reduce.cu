@@ -149,6 +149,46 @@ __device__ __forceinline__ uint16_t bf16_store(float f) {
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* ------------------------------------------------------------------ float8 */
+/* reduce.c's e4m3_* / e5m2_* bit arithmetic, with branches where reduce.c selects (it
+ * follows torch's conversions: e4m3fn saturates, e5m2 overflows to inf, NaN -> 0x7f|sign,
+ * which is not what the hardware's conversion instructions do with every input). */
+__device__ __forceinline__ float e4m3_load(uint8_t x) {
+  uint32_t v = x & 0x7fu, sign = (uint32_t)(x & 0x80u) << 24;
+  if (v == 0x7fu) return f32_from(0x7fc00000u | sign);
+  if (v < 8) return f32_from(f32_bits(__fsub_rn(f32_from((141u << 23) | v), 16384.0f)) | sign);
+  return f32_from(((v << 20) + ((uint32_t)(127 - 7) << 23)) | sign);
+}
+__device__ __forceinline__ uint8_t e4m3_store(float value) {
+  uint32_t f = f32_bits(value);
+  uint32_t sign = (f >> 24) & 0x80u;
+  f &= 0x7fffffffu;
+  uint32_t o;
+  if (f >= 0x43e80000u)
+    o = f > 0x7f800000u ? 0x7fu : 0x7eu;
+  else if (f < (121u << 23))
+    o = f32_bits(__fadd_rn(f32_from(f), 16384.0f)) - (141u << 23);
+  else
+    o = (f - ((uint32_t)(127 - 7) << 23) + 0x7ffffu + ((f >> 20) & 1u)) >> 20;
+  return (uint8_t)(o | sign);
+}
+__device__ __forceinline__ float e5m2_load(uint8_t x) {
+  return half_load((uint16_t)((uint16_t)x << 8));
+}
+__device__ __forceinline__ uint8_t e5m2_store(float value) {
+  uint32_t f = f32_bits(value);
+  uint32_t sign = (f >> 24) & 0x80u;
+  f &= 0x7fffffffu;
+  uint32_t o;
+  if (f >= (143u << 23))
+    o = f > 0x7f800000u ? 0x7fu : 0x7cu;
+  else if (f < (113u << 23))
+    o = f32_bits(__fadd_rn(f32_from(f), 128.0f)) - (134u << 23);
+  else
+    o = (f - ((uint32_t)(127 - 15) << 23) + 0xfffffu + ((f >> 21) & 1u)) >> 21;
+  return (uint8_t)(o | sign);
+}
+
 /* ------------------------------------------------------------------ dtypes */
 /* A dtype: its stored type T, how a reduced value is divided (reduce_divide, divisor > 1)
  * and how an element is pre-multiplied (reduce_premul). */
@@ -199,6 +239,20 @@ struct BF16 {
   static __device__ T divide(T v, int d) { return bf16_store(div32(bf16_load(v), (float)d)); }
   static __device__ T premul(T v, double f) {
     return bf16_store(narrow64(mul64(widen32(bf16_load(v)), f)));
+  }
+};
+struct E4M3 {
+  typedef uint8_t T;
+  static __device__ T divide(T v, int d) { return e4m3_store(div32(e4m3_load(v), (float)d)); }
+  static __device__ T premul(T v, double f) {
+    return e4m3_store(narrow64(mul64(widen32(e4m3_load(v)), f)));
+  }
+};
+struct E5M2 {
+  typedef uint8_t T;
+  static __device__ T divide(T v, int d) { return e5m2_store(div32(e5m2_load(v), (float)d)); }
+  static __device__ T premul(T v, double f) {
+    return e5m2_store(narrow64(mul64(widen32(e5m2_load(v)), f)));
   }
 };
 struct F32 {
@@ -258,6 +312,20 @@ struct Bf16Acc {
   typedef float A;
   static __device__ A load(T x) { return bf16_load(x); }
   static __device__ T store(A a) { return bf16_store(a); }
+};
+struct E4M3Acc {
+  typedef E4M3 Dt;
+  typedef uint8_t T;
+  typedef float A;
+  static __device__ A load(T x) { return e4m3_load(x); }
+  static __device__ T store(A a) { return e4m3_store(a); }
+};
+struct E5M2Acc {
+  typedef E5M2 Dt;
+  typedef uint8_t T;
+  typedef float A;
+  static __device__ A load(T x) { return e5m2_load(x); }
+  static __device__ T store(A a) { return e5m2_store(a); }
 };
 struct F32Wide { /* float32 SUM/PROD of more than two inputs: in double, rounded once */
   typedef F32 Dt;
@@ -481,7 +549,7 @@ __global__ void __launch_bounds__(THREADS) copy_kernel(const __grid_constant__ C
 
 /* ------------------------------------------------------------------ host side */
 size_t dtype_bytes(chorus_dtype_t d) {
-  static const size_t sz[CHORUS_DTYPE_COUNT] = {1, 1, 2, 4, 8, 2, 2, 4, 8, 1};
+  static const size_t sz[CHORUS_DTYPE_COUNT] = {1, 1, 2, 4, 8, 2, 2, 4, 8, 1, 1, 1};
   return (unsigned)d < CHORUS_DTYPE_COUNT ? sz[d] : 0;
 }
 
@@ -599,13 +667,15 @@ int reduce_dispatch(chorus_dtype_t dtype, chorus_op_kind_t op, const ReduceArgs 
     case CHORUS_FLOAT32: return reduce_f32(op, a, s);
     case CHORUS_FLOAT64: return reduce_float<F64, Raw<F64>, Raw<F64>>(op, a, s);
     case CHORUS_BOOL: return reduce_bool(op, a, s);
+    case CHORUS_FLOAT8_E4M3: return reduce_float<E4M3, E4M3Acc, E4M3Acc>(op, a, s);
+    case CHORUS_FLOAT8_E5M2: return reduce_float<E5M2, E5M2Acc, E5M2Acc>(op, a, s);
     default: return (int)cudaErrorInvalidValue;
   }
 }
 
 bool is_float(chorus_dtype_t d) {
   return d == CHORUS_FLOAT16 || d == CHORUS_BFLOAT16 || d == CHORUS_FLOAT32 ||
-         d == CHORUS_FLOAT64;
+         d == CHORUS_FLOAT64 || d == CHORUS_FLOAT8_E4M3 || d == CHORUS_FLOAT8_E5M2;
 }
 
 /* The op reduce_n would run: AVG and PREMUL_SUM reduce as SUM (reduce_op_supported's
@@ -768,6 +838,8 @@ extern "C" int chorus_cuda_premul(void *out, const void *in, size_t count, choru
     case CHORUS_BFLOAT16: return launch_premul<BF16>(a, s);
     case CHORUS_FLOAT32: return launch_premul<F32>(a, s);
     case CHORUS_FLOAT64: return launch_premul<F64>(a, s);
+    case CHORUS_FLOAT8_E4M3: return launch_premul<E4M3>(a, s);
+    case CHORUS_FLOAT8_E5M2: return launch_premul<E5M2>(a, s);
     default: return launch_premul<Bool>(a, s);
   }
 }
