@@ -7,6 +7,7 @@
 #   usage: bash scripts/gpu_check.sh [tests|bench|examples|perf|hang|all]   (default all)
 # DeepSpeed is not in the GPU image: scripts/gpu_wheels.sh fills .whl/ here; carry .whl.
 #   PYTEST_K (a pytest -k expression) narrows the tests; BENCH_OPS the benchmarked ops;
+#   EXAMPLES the examples run (names without .py);
 #   SKIP_BUILD=1 uses the build a previous step of the same call installed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -98,7 +99,7 @@ if [ "$what" = all ] || [ "$what" = examples ]; then
   ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
   # The reference: NCCL with one rank per GPU where two GPUs exist, else Gloo on the CPU.
   if [ "$ngpu" -ge 2 ]; then ref="--compare nccl --ref-device cuda"; else ref="--compare gloo --ref-device cpu"; fi
-  for ex in ddp_train fsdp_train pipeline_p2p dtensor_tp deepspeed_zero; do
+  for ex in ${EXAMPLES:-ddp_train fsdp_train pipeline_p2p dtensor_tp deepspeed_zero}; do
     n=2
     if [ $ex = pipeline_p2p ]; then n=3; [ "$ngpu" -ge 2 ] && n=$(( ngpu < 3 ? ngpu : 3 )); fi
     if [ $ex = deepspeed_zero ] && ! $PY -c "import deepspeed" 2>/dev/null; then

@@ -159,16 +159,25 @@ def cases(rank, world, group=None, device="cpu", sizes=SIZES):
         def conversions(dt=dt, factor=1.0):
             # Rank 0 premultiplies every bit pattern (and random ones) by factor, the others
             # contribute zeros: the result is chorus's rounding of x * factor to the format,
-            # which must equal this torch's conversion on CPU and, on a GPU, on the device.
+            # which must equal this torch's conversion on CPU and, on a GPU, on the device
+            # (the float32 product converted, as chorus rounds the double product to float32
+            # first).
             x = torch.cat([torch.arange(256, dtype=torch.uint8).view(dt),
                            data(("conv", str(dt)), 0, 4096, dt)])
             t = on(x if rank == 0 else torch.zeros(x.numel()).to(dt))
             dist.all_reduce(t, op=dist._make_nccl_premul_sum(factor if rank == 0 else 0.0),
                             group=pg())
-            refs = {"cpu": (x.double() * factor).float().to(dt)}
+            wide = (x.double() * factor).float()
+            refs = {"cpu": wide.to(dt)}
             if torch.device(device).type == "cuda":
-                refs["cuda"] = (on(x).double() * factor).float().to(dt).cpu()
+                refs["cuda"] = on(wide).to(dt).cpu()
             for where, ref in refs.items():
+                if dt is torch.float8_e4m3fn:
+                    # chorus saturates as torch 2.13 does; older torch (2.11) gives NaN for
+                    # magnitudes that round past 448: that rule is the one difference allowed
+                    over = (wide.abs() > 464) & ~torch.isnan(wide)
+                    ref = torch.where(over, torch.copysign(torch.tensor(448.0), wide),
+                                      ref.float()).to(dt)
                 msg = compare(t, ref)
                 if msg:
                     return f"differs from torch's conversion on {where}: {msg}"
