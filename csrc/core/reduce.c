@@ -411,6 +411,111 @@ DEFINE_VEC16(x86_bf16_max, load16_bf16, store16_bf16, v_max)
 static const reduce_fn x86_f16_row[CHORUS_OP_COUNT] = X86_ROW(x86_f16);
 static const reduce_fn x86_bf16_row[CHORUS_OP_COUNT] = X86_ROW(x86_bf16);
 
+/* float8 through F16C. e5m2 is the top byte of a half, so widening is a byte shuffle and
+ * vcvtph2ps. An e4m3fn code shifted into a half's fields (same exponent field, three
+ * mantissa bits on top) is the value times 2^-8, subnormals included (e4m3's quantum 2^-9
+ * lands on the half's 2^-17 = 2^7 subnormal quanta): widen, multiply by 256, and turn the
+ * one value that comes out as 480 (the NaN code 0x7f) into NaN.
+ * Narrowing rounds twice without the double-rounding error: float -> half toward zero with
+ * the lowest bit set when inexact ("round to odd", exact enough since a half keeps at least
+ * seven more bits than the target, subnormals too), then the half's magnitude rounded to
+ * nearest even at bit 8 (e5m2) or bit 7 (e4m3fn, after scaling by 2^-8, which lines its
+ * exponents and subnormals up with the half's). Overflow: e5m2's carry reaches inf, e4m3fn
+ * is clamped to 448; NaN becomes 0x7f | sign. reduce.c's scalar e4m3_store / e5m2_store
+ * give the same bits (tests/c/test_reduce.c runs both). */
+X86_FN static inline void load16_e5m2(const uint8_t *p, __m256 *lo, __m256 *hi) {
+  __m128i x = _mm_loadu_si128((const __m128i *)p), zero = _mm_setzero_si128();
+  *lo = _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, x));
+  *hi = _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, x));
+}
+X86_FN static inline __m256 e4m3_fix(__m256 v) {
+  __m256 scaled = _mm256_mul_ps(v, _mm256_set1_ps(256.0f));
+  __m256 mag = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), scaled);
+  __m256 nan = _mm256_cmp_ps(mag, _mm256_set1_ps(480.0f), _CMP_EQ_OQ);
+  return _mm256_or_ps(scaled, _mm256_and_ps(nan, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000))));
+}
+X86_FN static inline void load16_e4m3(const uint8_t *p, __m256 *lo, __m256 *hi) {
+  __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+  __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
+                              _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+  *lo = e4m3_fix(_mm256_cvtph_ps(_mm256_castsi256_si128(h)));
+  *hi = e4m3_fix(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+}
+/* Two vectors of 32-bit masks as one of sixteen 16-bit masks, in element order. */
+X86_FN static inline __m256i mask16(__m256 lo, __m256 hi) {
+  __m256i m = _mm256_packs_epi32(_mm256_castps_si256(lo), _mm256_castps_si256(hi));
+  return _mm256_permute4x64_epi64(m, 0xd8);
+}
+X86_FN static inline void store16_fp8(uint8_t *p, __m256 lo, __m256 hi, int e4m3) {
+  if (e4m3) {
+    lo = _mm256_mul_ps(lo, _mm256_set1_ps(0x1p-8f));
+    hi = _mm256_mul_ps(hi, _mm256_set1_ps(0x1p-8f));
+  }
+  const int rz = _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC;
+  __m128i hlo = _mm256_cvtps_ph(lo, rz), hhi = _mm256_cvtps_ph(hi, rz);
+  __m256i inexact = mask16(_mm256_cmp_ps(_mm256_cvtph_ps(hlo), lo, _CMP_NEQ_UQ),
+                           _mm256_cmp_ps(_mm256_cvtph_ps(hhi), hi, _CMP_NEQ_UQ));
+  __m256i nan = mask16(_mm256_cmp_ps(lo, lo, _CMP_UNORD_Q), _mm256_cmp_ps(hi, hi, _CMP_UNORD_Q));
+  __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(hlo), hhi, 1);
+  h = _mm256_or_si256(h, _mm256_and_si256(inexact, _mm256_set1_epi16(1)));
+  __m256i sign = _mm256_srli_epi16(_mm256_and_si256(h, _mm256_set1_epi16((short)0x8000)), 8);
+  __m256i mag = _mm256_and_si256(h, _mm256_set1_epi16(0x7fff)), r;
+  if (e4m3) {
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi16(mag, 7), _mm256_set1_epi16(1));
+    r = _mm256_srli_epi16(_mm256_add_epi16(_mm256_add_epi16(mag, _mm256_set1_epi16(0x3f)), lsb), 7);
+    r = _mm256_min_epu16(r, _mm256_set1_epi16(0x7e));
+  } else {
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi16(mag, 8), _mm256_set1_epi16(1));
+    r = _mm256_srli_epi16(_mm256_add_epi16(_mm256_add_epi16(mag, _mm256_set1_epi16(0x7f)), lsb), 8);
+  }
+  r = _mm256_or_si256(_mm256_or_si256(r, _mm256_and_si256(nan, _mm256_set1_epi16(0x7f))), sign);
+  _mm_storeu_si128((__m128i *)p, _mm_packus_epi16(_mm256_castsi256_si128(r),
+                                                  _mm256_extracti128_si256(r, 1)));
+}
+X86_FN static inline void store16_e4m3(uint8_t *p, __m256 lo, __m256 hi) { store16_fp8(p, lo, hi, 1); }
+X86_FN static inline void store16_e5m2(uint8_t *p, __m256 lo, __m256 hi) { store16_fp8(p, lo, hi, 0); }
+
+/* DEFINE_VEC16 for one-byte elements. */
+#define DEFINE_VEC16_B(NAME, LOAD16, STORE16, VCOMBINE)                                  \
+  X86_FN static void NAME(void *outv, const void *const *in, int n, size_t count) {      \
+    uint8_t *out = outv;                                                                 \
+    __m256 lo, hi, xlo, xhi;                                                             \
+    size_t i = 0;                                                                        \
+    for (; i + 16 <= count; i += 16) {                                                   \
+      LOAD16((const uint8_t *)in[0] + i, &lo, &hi);                                      \
+      for (int k = 1; k < n; k++) {                                                      \
+        LOAD16((const uint8_t *)in[k] + i, &xlo, &xhi);                                  \
+        lo = VCOMBINE(lo, xlo);                                                          \
+        hi = VCOMBINE(hi, xhi);                                                          \
+      }                                                                                  \
+      STORE16(out + i, lo, hi);                                                          \
+    }                                                                                    \
+    if (i < count) {                                                                     \
+      size_t rest = count - i;                                                           \
+      uint8_t lane[16] = {0};                                                            \
+      memcpy(lane, (const uint8_t *)in[0] + i, rest);                                    \
+      LOAD16(lane, &lo, &hi);                                                            \
+      for (int k = 1; k < n; k++) {                                                      \
+        memcpy(lane, (const uint8_t *)in[k] + i, rest);                                  \
+        LOAD16(lane, &xlo, &xhi);                                                        \
+        lo = VCOMBINE(lo, xlo);                                                          \
+        hi = VCOMBINE(hi, xhi);                                                          \
+      }                                                                                  \
+      STORE16(lane, lo, hi);                                                             \
+      memcpy(out + i, lane, rest);                                                       \
+    }                                                                                    \
+  }
+DEFINE_VEC16_B(x86_e4m3_sum, load16_e4m3, store16_e4m3, v_add)
+DEFINE_VEC16_B(x86_e4m3_prod, load16_e4m3, store16_e4m3, v_mul)
+DEFINE_VEC16_B(x86_e4m3_min, load16_e4m3, store16_e4m3, v_min)
+DEFINE_VEC16_B(x86_e4m3_max, load16_e4m3, store16_e4m3, v_max)
+DEFINE_VEC16_B(x86_e5m2_sum, load16_e5m2, store16_e5m2, v_add)
+DEFINE_VEC16_B(x86_e5m2_prod, load16_e5m2, store16_e5m2, v_mul)
+DEFINE_VEC16_B(x86_e5m2_min, load16_e5m2, store16_e5m2, v_min)
+DEFINE_VEC16_B(x86_e5m2_max, load16_e5m2, store16_e5m2, v_max)
+static const reduce_fn x86_e4m3_row[CHORUS_OP_COUNT] = X86_ROW(x86_e4m3);
+static const reduce_fn x86_e5m2_row[CHORUS_OP_COUNT] = X86_ROW(x86_e5m2);
+
 /* v * f with the product in double, rounded to float (the premul contract). */
 X86_FN static inline __m256 mul_in_double(__m256 v, __m256d f) {
   __m128 lo = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), f));
@@ -536,6 +641,8 @@ void reduce_n(void *out, const void *const *in, int n, size_t count, chorus_dtyp
 #if REDUCE_X86
   if (dtype == CHORUS_FLOAT16 && have_avx2_f16c()) fn = x86_f16_row[op];
   if (dtype == CHORUS_BFLOAT16 && have_avx2_f16c()) fn = x86_bf16_row[op];
+  if (dtype == CHORUS_FLOAT8_E4M3 && have_avx2_f16c()) fn = x86_e4m3_row[op];
+  if (dtype == CHORUS_FLOAT8_E5M2 && have_avx2_f16c()) fn = x86_e5m2_row[op];
 #endif
   if (fn) fn(out, in, n, count);
 }
