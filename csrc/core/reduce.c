@@ -451,8 +451,10 @@ X86_FN static inline void store16_fp8(uint8_t *p, __m256 lo, __m256 hi, int e4m3
     lo = _mm256_mul_ps(lo, _mm256_set1_ps(0x1p-8f));
     hi = _mm256_mul_ps(hi, _mm256_set1_ps(0x1p-8f));
   }
-  const int rz = _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC;
-  __m128i hlo = _mm256_cvtps_ph(lo, rz), hhi = _mm256_cvtps_ph(hi, rz);
+  /* the rounding mode is an immediate: a macro, not a const int (clang insists) */
+#define ROUND_TOWARD_ZERO (_MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC)
+  __m128i hlo = _mm256_cvtps_ph(lo, ROUND_TOWARD_ZERO), hhi = _mm256_cvtps_ph(hi, ROUND_TOWARD_ZERO);
+#undef ROUND_TOWARD_ZERO
   __m256i inexact = mask16(_mm256_cmp_ps(_mm256_cvtph_ps(hlo), lo, _CMP_NEQ_UQ),
                            _mm256_cmp_ps(_mm256_cvtph_ps(hhi), hi, _CMP_NEQ_UQ));
   __m256i nan = mask16(_mm256_cmp_ps(lo, lo, _CMP_UNORD_Q), _mm256_cmp_ps(hi, hi, _CMP_UNORD_Q));
