@@ -213,3 +213,38 @@ def test_cuda_ddp_and_fsdp2_match_cpu_training(tmp_path):
             x, y = got["params"][name].double(), ref["params"][name].double()
             err = float((x - y).abs().max() / y.abs().max().clamp_min(1e-30))
             assert err <= RTOL, f"{mode}: parameter {name} differs by {err:.3g}"
+
+
+# ------------------------------------------------------------------ reliability on CUDA
+# The CPU bars of tests/test_peer_failure.py and tests/test_mismatch.py with CUDA tensors, all
+# four ranks on the one GPU (the shared-GPU path over shared memory; staged over sockets).
+@needs_gpu
+@pytest.mark.skipif(backend_under_test() != "chorus", reason="chorus's own messages")
+@pytest.mark.parametrize("mode,transport", [("kill", "shm"), ("silent", "shm"),
+                                            ("kill", "socket")])
+def test_cuda_survivors_raise_naming_the_failed_rank(tmp_path, mode, transport):
+    from test_peer_failure import check_peer_failure
+    check_peer_failure(tmp_path, mode, transport, device="cuda")
+
+
+@needs_gpu
+@pytest.mark.skipif(backend_under_test() != "chorus", reason="chorus's own messages")
+@pytest.mark.parametrize("transport", ["shm", "socket"])
+def test_cuda_mismatch_raises_on_every_rank(tmp_path, transport):
+    from test_mismatch import check_mismatch
+    check_mismatch(transport, tmp_path, device="cuda")
+
+
+@needs_gpu
+@pytest.mark.skipif(backend_under_test() != "chorus", reason="chorus's profiler events")
+def test_cuda_profile_shows_chorus_all_reduce_and_its_kernels(tmp_path):
+    # DDP on CUDA, 2 ranks on the GPU, CPU + CUDA activities: each rank's trace holds the
+    # chorus:all_reduce events with the bucket's size and dtype (as on CPU), and the CUDA
+    # timeline chorus's kernels (rank 0 runs them for both ranks on the shared GPU).
+    from test_profiler import check_profile
+    traces = check_profile(tmp_path, device="cuda")
+    kernels = [e for t in traces for e in t["traceEvents"]
+               if e.get("cat") == "kernel" and "chorus::" in str(e.get("name"))]
+    assert kernels, sorted({str(e.get("name"))[:80] for t in traces for e in t["traceEvents"]
+                            if e.get("cat") == "kernel"})
+    assert all(e.get("dur", 0) > 0 for e in kernels), kernels[:3]

@@ -25,10 +25,16 @@ SIDES = {
 @pytest.mark.skipif(backend_under_test() != "chorus", reason="chorus's own messages")
 @pytest.mark.parametrize("transport", ["shm", "socket"])
 def test_mismatch_raises_on_every_rank_naming_both_sides(transport, tmp_path):
-    env = {"CHORUS_SHM_DISABLE": "1" if transport == "socket" else "0"}
+    check_mismatch(transport, tmp_path)
+
+
+def check_mismatch(transport, tmp_path, device="cpu"):
+    """The test above; tests/test_cuda.py runs it with CUDA tensors (device="cuda")."""
+    env = {"CHORUS_SHM_DISABLE": "1" if transport == "socket" else "0",
+           "CHORUS_TEST_DEVICE": device}
     # the core's log goes to its own files, so its lines never split the worker's
     env["CHORUS_DEBUG_FILE"] = str(tmp_path / "chorus.%p.log")
-    res = run_job(f"mismatch-{transport}", WORKER, 4, env=env, timeout=200)
+    res = run_job(f"mismatch-{transport}-{device}", WORKER, 4, env=env, timeout=200)
     assert res.ok, res.describe()
     for r in res.ranks:
         cases = dict(re.findall(r"^CASE (\w+) (.*)$", r.output, re.M))

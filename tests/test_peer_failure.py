@@ -19,12 +19,17 @@ VICTIM = 2
 @pytest.mark.parametrize("mode,transport", [("kill", "shm"), ("kill", "socket"),
                                             ("silent", "shm"), ("silent", "socket")])
 def test_survivors_raise_naming_the_failed_rank(tmp_path, mode, transport):
+    check_peer_failure(tmp_path, mode, transport)
+
+
+def check_peer_failure(tmp_path, mode, transport, device="cpu"):
+    """The test above; tests/test_cuda.py runs it with CUDA tensors (device="cuda")."""
     before = set(chorus_shm_segments())
     env = {"CHORUS_SHM_DISABLE": "1" if transport == "socket" else "0", "MODE": mode,
-           "VICTIM": str(VICTIM), "CHORUS_TEST_PG_TIMEOUT": "5",
+           "VICTIM": str(VICTIM), "CHORUS_TEST_PG_TIMEOUT": "5", "CHORUS_TEST_DEVICE": device,
            # the core's log goes to its own files, so its lines never split the worker's
            "CHORUS_DEBUG_FILE": str(tmp_path / "chorus.%p.log")}
-    job = Job(f"fail-{mode}-{transport}", WORKER, 4, args=[str(tmp_path)], env=env)
+    job = Job(f"fail-{mode}-{transport}-{device}", WORKER, 4, args=[str(tmp_path)], env=env)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if all(os.path.exists(tmp_path / f"ready{r}") for r in range(4)):

@@ -16,13 +16,21 @@ WORKER = os.path.join(WORKERS, "profile_ddp.py")
 
 @pytest.mark.skipif(backend_under_test() != "chorus", reason="chorus's profiler events")
 def test_ddp_profile_shows_chorus_all_reduce_with_sizes(tmp_path):
-    res = run_job("profile-ddp", WORKER, 2, args=[str(tmp_path)], timeout=180)
+    check_profile(tmp_path)
+
+
+def check_profile(tmp_path, device="cpu"):
+    """The test above; tests/test_cuda.py runs it on CUDA. Returns both ranks' traces."""
+    res = run_job(f"profile-ddp-{device}", WORKER, 2, args=[str(tmp_path)], timeout=180,
+                  env={"CHORUS_TEST_DEVICE": device})
     assert res.ok, res.describe()
     params = int(re.search(r"^PARAMS (\d+)$", res.ranks[0].output, re.M).group(1))
     assert params == 16 * 32 + 32 + 32 * 4 + 4
+    traces = []
     for rank in range(2):
         with open(tmp_path / f"trace{rank}.json") as f:
             trace = json.load(f)
+        traces.append(trace)
         events = [e for e in trace["traceEvents"] if e.get("name") == "chorus:all_reduce"]
         assert len(events) >= 3, sorted({e.get("name") for e in trace["traceEvents"]
                                          if "chorus" in str(e.get("name"))})
@@ -31,3 +39,4 @@ def test_ddp_profile_shows_chorus_all_reduce_with_sizes(tmp_path):
             assert args.get("Input Dims") == [[params]], e
             assert args.get("Input type") == ["float"], e
             assert e.get("dur", 0) > 0, e
+    return traces

@@ -60,6 +60,17 @@ def allreduce_behind_sleep(rank, world, dev):
     return host_s, gpu_s, bool((t == world * (world + 1) / 2 + 1).all())
 
 
+def test_device():
+    """The device a worker's tensors live on: CHORUS_TEST_DEVICE (cpu, or cuda: the rank's GPU
+    is cuda:LOCAL_RANK % device_count, made current before the group exists, as torchrun
+    users do)."""
+    if os.environ.get("CHORUS_TEST_DEVICE", "cpu") != "cuda":
+        return torch.device("cpu")
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
 def init_dist(device_id=None):
     """init_process_group over env:// with the backend under test; returns (rank, world).
     device_id: the CUDA device the group is bound to (torch's device_id)."""

@@ -1,7 +1,8 @@
 """Rank worker for tests/test_peer_failure.py: all_reduce in a loop (results checked) until
 one fails. Prints READY <rank> after the first few calls, then, on the failure,
     FAILED <seconds since the victim was due> <exception type> <message>
-MODE=kill: the test SIGKILLs the victim; MODE=silent: the victim stops calling (sleeps)."""
+MODE=kill: the test SIGKILLs the victim; MODE=silent: the victim stops calling (sleeps).
+CHORUS_TEST_DEVICE=cuda: the tensor is on cuda:LOCAL_RANK % device_count."""
 import os
 import sys
 import time
@@ -11,14 +12,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from common import init_dist  # noqa: E402
+from common import init_dist, test_device  # noqa: E402
 
+dev = test_device()
 rank, world = init_dist()
 victim = int(os.environ["VICTIM"])
 mode = os.environ["MODE"]
 ready_dir = sys.argv[1]
 i = 0
-t = torch.ones(1024)
+t = torch.ones(1024, device=dev)
 while True:
     if i == 20:
         open(os.path.join(ready_dir, f"ready{rank}"), "w").close()

@@ -25,6 +25,9 @@
 #error "reduce.cu must be built without --use_fast_math (results must match the CPU bit for bit)"
 #endif
 
+/* Named chorus:: so that profilers show whose kernels these are ("chorus::(anonymous
+ * namespace)::reduce_kernel<...>" on a CUDA timeline). */
+namespace chorus {
 namespace {
 
 const int THREADS = 256;
@@ -703,6 +706,8 @@ int launch_premul(PremulArgs &a, cudaStream_t s) {
 }
 
 }  // namespace
+}  // namespace chorus
+using namespace chorus;
 
 extern "C" int chorus_cuda_reduce(void *out, const void *const *in, int n, size_t count,
                                   chorus_dtype_t dtype, chorus_op_kind_t op, int divisor,
