@@ -366,15 +366,15 @@ X86_FN static inline __m256 v_max(__m256 acc, __m256 x) {
 
 /* Sixteen elements at a time across all inputs: the loads of a group precede its store,
  * so out may alias any input. The tail goes through a zero-padded lane buffer. */
-#define DEFINE_VEC16(NAME, LOAD16, STORE16, VCOMBINE)                                    \
+#define DEFINE_VEC16(NAME, T, LOAD16, STORE16, VCOMBINE)                                 \
   X86_FN static void NAME(void *outv, const void *const *in, int n, size_t count) {      \
-    uint16_t *out = outv;                                                                \
+    T *out = outv;                                                                       \
     __m256 lo, hi, xlo, xhi;                                                             \
     size_t i = 0;                                                                        \
     for (; i + 16 <= count; i += 16) {                                                   \
-      LOAD16((const uint16_t *)in[0] + i, &lo, &hi);                                     \
+      LOAD16((const T *)in[0] + i, &lo, &hi);                                            \
       for (int k = 1; k < n; k++) {                                                      \
-        LOAD16((const uint16_t *)in[k] + i, &xlo, &xhi);                                 \
+        LOAD16((const T *)in[k] + i, &xlo, &xhi);                                        \
         lo = VCOMBINE(lo, xlo);                                                          \
         hi = VCOMBINE(hi, xhi);                                                          \
       }                                                                                  \
@@ -382,27 +382,27 @@ X86_FN static inline __m256 v_max(__m256 acc, __m256 x) {
     }                                                                                    \
     if (i < count) {                                                                     \
       size_t rest = count - i;                                                           \
-      uint16_t lane[16] = {0};                                                           \
-      memcpy(lane, (const uint16_t *)in[0] + i, rest * sizeof(uint16_t));                \
+      T lane[16] = {0};                                                                  \
+      memcpy(lane, (const T *)in[0] + i, rest * sizeof(T));                              \
       LOAD16(lane, &lo, &hi);                                                            \
       for (int k = 1; k < n; k++) {                                                      \
-        memcpy(lane, (const uint16_t *)in[k] + i, rest * sizeof(uint16_t));              \
+        memcpy(lane, (const T *)in[k] + i, rest * sizeof(T));                            \
         LOAD16(lane, &xlo, &xhi);                                                        \
         lo = VCOMBINE(lo, xlo);                                                          \
         hi = VCOMBINE(hi, xhi);                                                          \
       }                                                                                  \
       STORE16(lane, lo, hi);                                                             \
-      memcpy(out + i, lane, rest * sizeof(uint16_t));                                    \
+      memcpy(out + i, lane, rest * sizeof(T));                                           \
     }                                                                                    \
   }
-DEFINE_VEC16(x86_f16_sum, load16_half, store16_half, v_add)
-DEFINE_VEC16(x86_f16_prod, load16_half, store16_half, v_mul)
-DEFINE_VEC16(x86_f16_min, load16_half, store16_half, v_min)
-DEFINE_VEC16(x86_f16_max, load16_half, store16_half, v_max)
-DEFINE_VEC16(x86_bf16_sum, load16_bf16, store16_bf16, v_add)
-DEFINE_VEC16(x86_bf16_prod, load16_bf16, store16_bf16, v_mul)
-DEFINE_VEC16(x86_bf16_min, load16_bf16, store16_bf16, v_min)
-DEFINE_VEC16(x86_bf16_max, load16_bf16, store16_bf16, v_max)
+DEFINE_VEC16(x86_f16_sum, uint16_t, load16_half, store16_half, v_add)
+DEFINE_VEC16(x86_f16_prod, uint16_t, load16_half, store16_half, v_mul)
+DEFINE_VEC16(x86_f16_min, uint16_t, load16_half, store16_half, v_min)
+DEFINE_VEC16(x86_f16_max, uint16_t, load16_half, store16_half, v_max)
+DEFINE_VEC16(x86_bf16_sum, uint16_t, load16_bf16, store16_bf16, v_add)
+DEFINE_VEC16(x86_bf16_prod, uint16_t, load16_bf16, store16_bf16, v_mul)
+DEFINE_VEC16(x86_bf16_min, uint16_t, load16_bf16, store16_bf16, v_min)
+DEFINE_VEC16(x86_bf16_max, uint16_t, load16_bf16, store16_bf16, v_max)
 #define X86_ROW(P)                                                               \
   {                                                                              \
     [CHORUS_SUM] = P##_sum, [CHORUS_PROD] = P##_prod, [CHORUS_MIN] = P##_min,    \
@@ -477,44 +477,14 @@ X86_FN static inline void store16_fp8(uint8_t *p, __m256 lo, __m256 hi, int e4m3
 X86_FN static inline void store16_e4m3(uint8_t *p, __m256 lo, __m256 hi) { store16_fp8(p, lo, hi, 1); }
 X86_FN static inline void store16_e5m2(uint8_t *p, __m256 lo, __m256 hi) { store16_fp8(p, lo, hi, 0); }
 
-/* DEFINE_VEC16 for one-byte elements. */
-#define DEFINE_VEC16_B(NAME, LOAD16, STORE16, VCOMBINE)                                  \
-  X86_FN static void NAME(void *outv, const void *const *in, int n, size_t count) {      \
-    uint8_t *out = outv;                                                                 \
-    __m256 lo, hi, xlo, xhi;                                                             \
-    size_t i = 0;                                                                        \
-    for (; i + 16 <= count; i += 16) {                                                   \
-      LOAD16((const uint8_t *)in[0] + i, &lo, &hi);                                      \
-      for (int k = 1; k < n; k++) {                                                      \
-        LOAD16((const uint8_t *)in[k] + i, &xlo, &xhi);                                  \
-        lo = VCOMBINE(lo, xlo);                                                          \
-        hi = VCOMBINE(hi, xhi);                                                          \
-      }                                                                                  \
-      STORE16(out + i, lo, hi);                                                          \
-    }                                                                                    \
-    if (i < count) {                                                                     \
-      size_t rest = count - i;                                                           \
-      uint8_t lane[16] = {0};                                                            \
-      memcpy(lane, (const uint8_t *)in[0] + i, rest);                                    \
-      LOAD16(lane, &lo, &hi);                                                            \
-      for (int k = 1; k < n; k++) {                                                      \
-        memcpy(lane, (const uint8_t *)in[k] + i, rest);                                  \
-        LOAD16(lane, &xlo, &xhi);                                                        \
-        lo = VCOMBINE(lo, xlo);                                                          \
-        hi = VCOMBINE(hi, xhi);                                                          \
-      }                                                                                  \
-      STORE16(lane, lo, hi);                                                             \
-      memcpy(out + i, lane, rest);                                                       \
-    }                                                                                    \
-  }
-DEFINE_VEC16_B(x86_e4m3_sum, load16_e4m3, store16_e4m3, v_add)
-DEFINE_VEC16_B(x86_e4m3_prod, load16_e4m3, store16_e4m3, v_mul)
-DEFINE_VEC16_B(x86_e4m3_min, load16_e4m3, store16_e4m3, v_min)
-DEFINE_VEC16_B(x86_e4m3_max, load16_e4m3, store16_e4m3, v_max)
-DEFINE_VEC16_B(x86_e5m2_sum, load16_e5m2, store16_e5m2, v_add)
-DEFINE_VEC16_B(x86_e5m2_prod, load16_e5m2, store16_e5m2, v_mul)
-DEFINE_VEC16_B(x86_e5m2_min, load16_e5m2, store16_e5m2, v_min)
-DEFINE_VEC16_B(x86_e5m2_max, load16_e5m2, store16_e5m2, v_max)
+DEFINE_VEC16(x86_e4m3_sum, uint8_t, load16_e4m3, store16_e4m3, v_add)
+DEFINE_VEC16(x86_e4m3_prod, uint8_t, load16_e4m3, store16_e4m3, v_mul)
+DEFINE_VEC16(x86_e4m3_min, uint8_t, load16_e4m3, store16_e4m3, v_min)
+DEFINE_VEC16(x86_e4m3_max, uint8_t, load16_e4m3, store16_e4m3, v_max)
+DEFINE_VEC16(x86_e5m2_sum, uint8_t, load16_e5m2, store16_e5m2, v_add)
+DEFINE_VEC16(x86_e5m2_prod, uint8_t, load16_e5m2, store16_e5m2, v_mul)
+DEFINE_VEC16(x86_e5m2_min, uint8_t, load16_e5m2, store16_e5m2, v_min)
+DEFINE_VEC16(x86_e5m2_max, uint8_t, load16_e5m2, store16_e5m2, v_max)
 static const reduce_fn x86_e4m3_row[CHORUS_OP_COUNT] = X86_ROW(x86_e4m3);
 static const reduce_fn x86_e5m2_row[CHORUS_OP_COUNT] = X86_ROW(x86_e5m2);
 
