@@ -40,10 +40,21 @@ EXPECTED = {
 }
 
 
-@pytest.mark.skipif(backend_under_test() != "chorus", reason="chorus's own messages")
-@pytest.mark.parametrize("world", [2, 3])
-def test_every_bad_argument_raises_a_clear_error(world):
-    res = run_job(f"bad-args-ws{world}", WORKER, world, timeout=180)
+# The cases only a machine with a GPU can make (tests/test_cuda.py runs them).
+EXPECTED_CUDA = {
+    f"device_mix_{op}": ("RuntimeError", rf"{name}: all tensors must be on one device, got "
+                         r"(cuda:\d+ and cpu|cpu and cuda:\d+)")
+    for op, name in [("all_gather", "all_gather_into_tensor"), ("all_gather_list", "all_gather"),
+                     ("all_to_all", "all_to_all")]
+}
+
+
+def check_bad_args(world, device="cpu"):
+    """Runs tests/workers/bad_args.py on world ranks with its tensors on `device` and checks
+    every case's exception type and message."""
+    expected = dict(EXPECTED, **(EXPECTED_CUDA if device == "cuda" else {}))
+    res = run_job(f"bad-args-{device}-ws{world}", WORKER, world, timeout=180,
+                  env={"CHORUS_TEST_DEVICE": device})
     assert res.ok, res.describe()
     subst = {"w": world, "w1": world + 1, "w3": world + 3, "w4": 4 * world, "w5": world + 5}
     for r in res.ranks:
@@ -53,10 +64,16 @@ def test_every_bad_argument_raises_a_clear_error(world):
             m = re.match(r"CASE (\S+) (\S+) ?(.*)$", line)
             if m:
                 seen[m.group(1)] = (m.group(2), m.group(3))
-        assert set(seen) == set(EXPECTED), (sorted(seen), res.describe())
-        for name, (etype, pattern) in EXPECTED.items():
+        assert set(seen) == set(expected), (sorted(seen), res.describe())
+        for name, (etype, pattern) in expected.items():
             got_type, msg = seen[name]
             assert got_type == etype, f"rank {r.rank} {name}: {got_type} {msg}"
             if pattern:
                 assert msg.startswith("chorus: "), f"rank {r.rank} {name}: {msg}"
                 assert re.search(pattern.format(**subst), msg), f"rank {r.rank} {name}: {msg}"
+
+
+@pytest.mark.skipif(backend_under_test() != "chorus", reason="chorus's own messages")
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_bad_argument_raises_a_clear_error(world):
+    check_bad_args(world)

@@ -248,3 +248,12 @@ def test_cuda_profile_shows_chorus_all_reduce_and_its_kernels(tmp_path):
     assert kernels, sorted({str(e.get("name"))[:80] for t in traces for e in t["traceEvents"]
                             if e.get("cat") == "kernel"})
     assert all(e.get("dur", 0) > 0 for e in kernels), kernels[:3]
+
+
+@needs_gpu
+@pytest.mark.skipif(backend_under_test() != "chorus", reason="chorus's own messages")
+def test_cuda_bad_arguments_raise_clear_errors():
+    # Every bad-argument case of tests/test_bad_args.py with CUDA tensors (2 ranks on the one
+    # GPU), plus the calls whose tensors sit on two devices.
+    from test_bad_args import check_bad_args
+    check_bad_args(2, device="cuda")
