@@ -395,21 +395,18 @@ X86_FN static inline __m256 v_max(__m256 acc, __m256 x) {
       memcpy(out + i, lane, rest * sizeof(T));                                           \
     }                                                                                    \
   }
-DEFINE_VEC16(x86_f16_sum, uint16_t, load16_half, store16_half, v_add)
-DEFINE_VEC16(x86_f16_prod, uint16_t, load16_half, store16_half, v_mul)
-DEFINE_VEC16(x86_f16_min, uint16_t, load16_half, store16_half, v_min)
-DEFINE_VEC16(x86_f16_max, uint16_t, load16_half, store16_half, v_max)
-DEFINE_VEC16(x86_bf16_sum, uint16_t, load16_bf16, store16_bf16, v_add)
-DEFINE_VEC16(x86_bf16_prod, uint16_t, load16_bf16, store16_bf16, v_mul)
-DEFINE_VEC16(x86_bf16_min, uint16_t, load16_bf16, store16_bf16, v_min)
-DEFINE_VEC16(x86_bf16_max, uint16_t, load16_bf16, store16_bf16, v_max)
-#define X86_ROW(P)                                                               \
-  {                                                                              \
-    [CHORUS_SUM] = P##_sum, [CHORUS_PROD] = P##_prod, [CHORUS_MIN] = P##_min,    \
-    [CHORUS_MAX] = P##_max, [CHORUS_AVG] = P##_sum, [CHORUS_PREMUL_SUM] = P##_sum \
-  }
-static const reduce_fn x86_f16_row[CHORUS_OP_COUNT] = X86_ROW(x86_f16);
-static const reduce_fn x86_bf16_row[CHORUS_OP_COUNT] = X86_ROW(x86_bf16);
+/* The four kernels of one dtype (P_sum, P_prod, P_min, P_max) and its row of the table
+ * (AVG and PREMUL_SUM reduce as sums; the divide and the premultiply are separate passes). */
+#define DEFINE_VEC16_ROW(P, T, LOAD16, STORE16)                                   \
+  DEFINE_VEC16(P##_sum, T, LOAD16, STORE16, v_add)                                \
+  DEFINE_VEC16(P##_prod, T, LOAD16, STORE16, v_mul)                               \
+  DEFINE_VEC16(P##_min, T, LOAD16, STORE16, v_min)                                \
+  DEFINE_VEC16(P##_max, T, LOAD16, STORE16, v_max)                                \
+  static const reduce_fn P##_row[CHORUS_OP_COUNT] = {                             \
+      [CHORUS_SUM] = P##_sum, [CHORUS_PROD] = P##_prod, [CHORUS_MIN] = P##_min,   \
+      [CHORUS_MAX] = P##_max, [CHORUS_AVG] = P##_sum, [CHORUS_PREMUL_SUM] = P##_sum};
+DEFINE_VEC16_ROW(x86_f16, uint16_t, load16_half, store16_half)
+DEFINE_VEC16_ROW(x86_bf16, uint16_t, load16_bf16, store16_bf16)
 
 /* float8 through F16C. e5m2 is the top byte of a half, so widening is a byte shuffle and
  * vcvtph2ps. An e4m3fn code shifted into a half's fields (same exponent field, three
@@ -477,16 +474,8 @@ X86_FN static inline void store16_fp8(uint8_t *p, __m256 lo, __m256 hi, int e4m3
 X86_FN static inline void store16_e4m3(uint8_t *p, __m256 lo, __m256 hi) { store16_fp8(p, lo, hi, 1); }
 X86_FN static inline void store16_e5m2(uint8_t *p, __m256 lo, __m256 hi) { store16_fp8(p, lo, hi, 0); }
 
-DEFINE_VEC16(x86_e4m3_sum, uint8_t, load16_e4m3, store16_e4m3, v_add)
-DEFINE_VEC16(x86_e4m3_prod, uint8_t, load16_e4m3, store16_e4m3, v_mul)
-DEFINE_VEC16(x86_e4m3_min, uint8_t, load16_e4m3, store16_e4m3, v_min)
-DEFINE_VEC16(x86_e4m3_max, uint8_t, load16_e4m3, store16_e4m3, v_max)
-DEFINE_VEC16(x86_e5m2_sum, uint8_t, load16_e5m2, store16_e5m2, v_add)
-DEFINE_VEC16(x86_e5m2_prod, uint8_t, load16_e5m2, store16_e5m2, v_mul)
-DEFINE_VEC16(x86_e5m2_min, uint8_t, load16_e5m2, store16_e5m2, v_min)
-DEFINE_VEC16(x86_e5m2_max, uint8_t, load16_e5m2, store16_e5m2, v_max)
-static const reduce_fn x86_e4m3_row[CHORUS_OP_COUNT] = X86_ROW(x86_e4m3);
-static const reduce_fn x86_e5m2_row[CHORUS_OP_COUNT] = X86_ROW(x86_e5m2);
+DEFINE_VEC16_ROW(x86_e4m3, uint8_t, load16_e4m3, store16_e4m3)
+DEFINE_VEC16_ROW(x86_e5m2, uint8_t, load16_e5m2, store16_e5m2)
 
 /* v * f with the product in double, rounded to float (the premul contract). */
 X86_FN static inline __m256 mul_in_double(__m256 v, __m256d f) {
