@@ -153,15 +153,48 @@ __device__ __forceinline__ uint16_t bf16_store(float f) {
 }
 
 /* ------------------------------------------------------------------ float8 */
-/* reduce.c's e4m3_* / e5m2_* bit arithmetic, with branches where reduce.c selects (it
- * follows torch's conversions: e4m3fn saturates, e5m2 overflows to inf, NaN -> 0x7f|sign,
- * which is not what the hardware's conversion instructions do with every input). */
+/* The results of reduce.c's e4m3_* / e5m2_* (torch's conversions: round to nearest even,
+ * e4m3fn saturates at 448, e5m2 overflows to inf, NaN -> 0x7f | sign), computed for speed:
+ * a float8 value's bits shifted under a float's exponent and multiplied by 2^(127 - bias)
+ * is the value (the multiplication normalises subnormals, exactly), and on sm_89 and later
+ * the conversion instruction (cvt.rn.satfinite) rounds, fixed up where torch's rule differs
+ * from "satfinite" (NaN keeps its sign; e5m2 overflow is inf). Only sign and NaN-ness of a
+ * NaN matter: every result is stored back to float8. */
 __device__ __forceinline__ float e4m3_load(uint8_t x) {
   uint32_t v = x & 0x7fu, sign = (uint32_t)(x & 0x80u) << 24;
-  if (v == 0x7fu) return f32_from(0x7fc00000u | sign);
-  if (v < 8) return f32_from(f32_bits(__fsub_rn(f32_from((141u << 23) | v), 16384.0f)) | sign);
-  return f32_from(((v << 20) + ((uint32_t)(127 - 7) << 23)) | sign);
+  float m = __fmul_rn(f32_from(v << 20), 0x1p120f);
+  return f32_from((v == 0x7fu ? 0x7fc00000u : f32_bits(m)) | sign);
 }
+__device__ __forceinline__ float e5m2_load(uint8_t x) {
+  uint32_t v = x & 0x7fu, sign = (uint32_t)(x & 0x80u) << 24;
+  float m = __fmul_rn(f32_from(v << 21), 0x1p112f);
+  uint32_t special = (v & 3u) ? 0x7fc00000u : 0x7f800000u;
+  return f32_from((v >= 0x7cu ? special : f32_bits(m)) | sign);
+}
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+__device__ __forceinline__ uint8_t cvt_e4m3(float x) {
+  unsigned short r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(r) : "f"(x), "f"(0.0f));
+  return (uint8_t)r;
+}
+__device__ __forceinline__ uint8_t cvt_e5m2(float x) {
+  unsigned short r;
+  asm("cvt.rn.satfinite.e5m2x2.f32 %0, %2, %1;" : "=h"(r) : "f"(x), "f"(0.0f));
+  return (uint8_t)r;
+}
+__device__ __forceinline__ uint8_t e4m3_store(float value) {
+  uint32_t f = f32_bits(value);
+  uint8_t nan = (uint8_t)(((f >> 24) & 0x80u) | 0x7fu);
+  return (f & 0x7fffffffu) > 0x7f800000u ? nan : cvt_e4m3(value);
+}
+__device__ __forceinline__ uint8_t e5m2_store(float value) {
+  uint32_t f = f32_bits(value), a = f & 0x7fffffffu, sign = (f >> 24) & 0x80u;
+  uint8_t hw = cvt_e5m2(value);
+  /* 61440 (halfway from 57344 to 2^16) and up round to inf; satfinite would give 57344 */
+  return (uint8_t)(a > 0x7f800000u ? sign | 0x7fu : a >= 0x47700000u ? sign | 0x7cu : hw);
+}
+#else
+/* reduce.c's bit arithmetic, with branches where reduce.c selects */
 __device__ __forceinline__ uint8_t e4m3_store(float value) {
   uint32_t f = f32_bits(value);
   uint32_t sign = (f >> 24) & 0x80u;
@@ -174,9 +207,6 @@ __device__ __forceinline__ uint8_t e4m3_store(float value) {
   else
     o = (f - ((uint32_t)(127 - 7) << 23) + 0x7ffffu + ((f >> 20) & 1u)) >> 20;
   return (uint8_t)(o | sign);
-}
-__device__ __forceinline__ float e5m2_load(uint8_t x) {
-  return half_load((uint16_t)((uint16_t)x << 8));
 }
 __device__ __forceinline__ uint8_t e5m2_store(float value) {
   uint32_t f = f32_bits(value);
@@ -191,6 +221,7 @@ __device__ __forceinline__ uint8_t e5m2_store(float value) {
     o = (f - ((uint32_t)(127 - 15) << 23) + 0xfffffu + ((f >> 21) & 1u)) >> 21;
   return (uint8_t)(o | sign);
 }
+#endif
 
 /* ------------------------------------------------------------------ dtypes */
 /* A dtype: its stored type T, how a reduced value is divided (reduce_divide, divisor > 1)
@@ -230,34 +261,31 @@ typedef IntDt<int16_t, uint16_t> I16;
 typedef IntDt<int32_t, uint32_t> I32;
 typedef IntDt<int64_t, uint64_t> I64;
 
-struct F16 {
-  typedef uint16_t T;
-  static __device__ T divide(T v, int d) { return half_store(div32(half_load(v), (float)d)); }
+/* The narrow float formats: the stored type, its widening to float and the one rounding
+ * back. Divide and premultiply go through float / double as reduce.c's do. */
+#define CODEC(NAME, TYPE, LOAD, STORE)                                       \
+  struct NAME {                                                              \
+    typedef TYPE T;                                                          \
+    static __device__ float load(T x) { return LOAD(x); }                    \
+    static __device__ T store(float a) { return STORE(a); }                  \
+  };
+CODEC(HalfCodec, uint16_t, half_load, half_store)
+CODEC(Bf16Codec, uint16_t, bf16_load, bf16_store)
+CODEC(E4m3Codec, uint8_t, e4m3_load, e4m3_store)
+CODEC(E5m2Codec, uint8_t, e5m2_load, e5m2_store)
+#undef CODEC
+template <class C>
+struct Narrow {
+  typedef typename C::T T;
+  static __device__ T divide(T v, int d) { return C::store(div32(C::load(v), (float)d)); }
   static __device__ T premul(T v, double f) {
-    return half_store(narrow64(mul64(widen32(half_load(v)), f)));
+    return C::store(narrow64(mul64(widen32(C::load(v)), f)));
   }
 };
-struct BF16 {
-  typedef uint16_t T;
-  static __device__ T divide(T v, int d) { return bf16_store(div32(bf16_load(v), (float)d)); }
-  static __device__ T premul(T v, double f) {
-    return bf16_store(narrow64(mul64(widen32(bf16_load(v)), f)));
-  }
-};
-struct E4M3 {
-  typedef uint8_t T;
-  static __device__ T divide(T v, int d) { return e4m3_store(div32(e4m3_load(v), (float)d)); }
-  static __device__ T premul(T v, double f) {
-    return e4m3_store(narrow64(mul64(widen32(e4m3_load(v)), f)));
-  }
-};
-struct E5M2 {
-  typedef uint8_t T;
-  static __device__ T divide(T v, int d) { return e5m2_store(div32(e5m2_load(v), (float)d)); }
-  static __device__ T premul(T v, double f) {
-    return e5m2_store(narrow64(mul64(widen32(e5m2_load(v)), f)));
-  }
-};
+typedef Narrow<HalfCodec> F16;
+typedef Narrow<Bf16Codec> BF16;
+typedef Narrow<E4m3Codec> E4M3;
+typedef Narrow<E5m2Codec> E5M2;
 struct F32 {
   typedef float T;
   static __device__ T divide(T v, int d) { return narrow64(div64(widen32(v), (double)d)); }
@@ -302,33 +330,13 @@ struct BoolAcc { /* inputs are true when non-zero, results 0 or 1 */
   static __device__ A load(T x) { return (A)(x != 0); }
   static __device__ T store(A a) { return a; }
 };
-struct HalfAcc {
-  typedef F16 Dt;
-  typedef uint16_t T;
+template <class C>
+struct NarrowAcc { /* fp16, bf16, float8: in float, rounded once */
+  typedef Narrow<C> Dt;
+  typedef typename C::T T;
   typedef float A;
-  static __device__ A load(T x) { return half_load(x); }
-  static __device__ T store(A a) { return half_store(a); }
-};
-struct Bf16Acc {
-  typedef BF16 Dt;
-  typedef uint16_t T;
-  typedef float A;
-  static __device__ A load(T x) { return bf16_load(x); }
-  static __device__ T store(A a) { return bf16_store(a); }
-};
-struct E4M3Acc {
-  typedef E4M3 Dt;
-  typedef uint8_t T;
-  typedef float A;
-  static __device__ A load(T x) { return e4m3_load(x); }
-  static __device__ T store(A a) { return e4m3_store(a); }
-};
-struct E5M2Acc {
-  typedef E5M2 Dt;
-  typedef uint8_t T;
-  typedef float A;
-  static __device__ A load(T x) { return e5m2_load(x); }
-  static __device__ T store(A a) { return e5m2_store(a); }
+  static __device__ A load(T x) { return C::load(x); }
+  static __device__ T store(A a) { return C::store(a); }
 };
 struct F32Wide { /* float32 SUM/PROD of more than two inputs: in double, rounded once */
   typedef F32 Dt;
@@ -636,6 +644,11 @@ int reduce_float(chorus_op_kind_t op, const ReduceArgs &a, cudaStream_t s) {
   }
 }
 
+template <class C>
+int reduce_narrow(chorus_op_kind_t op, const ReduceArgs &a, cudaStream_t s) {
+  return reduce_float<Narrow<C>, NarrowAcc<C>, NarrowAcc<C>>(op, a, s);
+}
+
 /* reduce.c sums and multiplies two distinct float32 inputs in float (one IEEE operation
  * is correctly rounded) and everything else in double; follow the same split. */
 int reduce_f32(chorus_op_kind_t op, const ReduceArgs &a, cudaStream_t s) {
@@ -665,13 +678,13 @@ int reduce_dispatch(chorus_dtype_t dtype, chorus_op_kind_t op, const ReduceArgs 
     case CHORUS_INT16: return reduce_int<I16>(op, a, s);
     case CHORUS_INT32: return reduce_int<I32>(op, a, s);
     case CHORUS_INT64: return reduce_int<I64>(op, a, s);
-    case CHORUS_FLOAT16: return reduce_float<F16, HalfAcc, HalfAcc>(op, a, s);
-    case CHORUS_BFLOAT16: return reduce_float<BF16, Bf16Acc, Bf16Acc>(op, a, s);
+    case CHORUS_FLOAT16: return reduce_narrow<HalfCodec>(op, a, s);
+    case CHORUS_BFLOAT16: return reduce_narrow<Bf16Codec>(op, a, s);
     case CHORUS_FLOAT32: return reduce_f32(op, a, s);
     case CHORUS_FLOAT64: return reduce_float<F64, Raw<F64>, Raw<F64>>(op, a, s);
     case CHORUS_BOOL: return reduce_bool(op, a, s);
-    case CHORUS_FLOAT8_E4M3: return reduce_float<E4M3, E4M3Acc, E4M3Acc>(op, a, s);
-    case CHORUS_FLOAT8_E5M2: return reduce_float<E5M2, E5M2Acc, E5M2Acc>(op, a, s);
+    case CHORUS_FLOAT8_E4M3: return reduce_narrow<E4m3Codec>(op, a, s);
+    case CHORUS_FLOAT8_E5M2: return reduce_narrow<E5m2Codec>(op, a, s);
     default: return (int)cudaErrorInvalidValue;
   }
 }
