@@ -239,10 +239,14 @@ def test_cuda_mismatch_raises_on_every_rank(tmp_path, transport):
 @pytest.mark.skipif(backend_under_test() != "chorus", reason="chorus's profiler events")
 def test_cuda_profile_shows_chorus_all_reduce_and_its_kernels(tmp_path):
     # DDP on CUDA, 2 ranks on the GPU, CPU + CUDA activities: each rank's trace holds the
-    # chorus:all_reduce events with the bucket's size and dtype (as on CPU), and the CUDA
-    # timeline chorus's kernels (rank 0 runs them for both ranks on the shared GPU).
+    # chorus:all_reduce events with the bucket's size and dtype (as on CPU); the GPU timeline
+    # holds chorus:all_reduce ranges and chorus's kernels (rank 0 runs them for both ranks on
+    # the shared GPU).
     from test_profiler import check_profile
     traces = check_profile(tmp_path, device="cuda")
+    on_gpu = [e for t in traces for e in t["traceEvents"]
+              if e.get("cat") == "gpu_user_annotation" and e.get("name") == "chorus:all_reduce"]
+    assert on_gpu, "no chorus:all_reduce range on the GPU timeline"
     kernels = [e for t in traces for e in t["traceEvents"]
                if e.get("cat") == "kernel" and "chorus::" in str(e.get("name"))]
     assert kernels, sorted({str(e.get("name"))[:80] for t in traces for e in t["traceEvents"]

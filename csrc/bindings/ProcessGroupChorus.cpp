@@ -191,7 +191,11 @@ struct Checker {
   const char* op;
   bool have_device = false;
   at::Device device{at::kCPU};
-  explicit Checker(const char* name) : op(name) { t_op_tensors.clear(); }
+  // A call whose checks threw never reached launch(): forget what it left.
+  explicit Checker(const char* name) : op(name) {
+    t_op_tensors.clear();
+    t_op_cuda_device = -1;
+  }
   void operator()(const at::Tensor& t) {
     checkTensor(t, op);
     if (t.is_cuda()) t_op_tensors.push_back(t);

@@ -4,6 +4,7 @@ independent reference for each reduction, poisoning, comparison and the result r
 The reference never uses a collective: every rank regenerates every other rank's input from
 (seed, case, rank) and reduces locally, in a wider type than the data.
 """
+import faulthandler
 import functools
 import json
 import os
@@ -26,6 +27,9 @@ SEED = int(os.environ.get("CHORUS_TEST_SEED", "20240611"))
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", category=UserWarning)
 warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+# A rank that dies of a signal shows where (its output is in the job log).
+faulthandler.enable()
 
 
 def parse_size(text):
