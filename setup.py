@@ -5,6 +5,8 @@ import glob
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 from setuptools import setup
 
@@ -110,6 +112,44 @@ def _build_clib_class():
     return BuildClib
 
 
+def _loaded_libstdcxx():
+    """Path of the libstdc++.so.6 this process (which imported torch) has mapped, or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libstdc++.so.6"):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def _shared_cxx_runtime(cxx):
+    """Link flags that make the extension use the shared libstdc++ that torch loads when the
+    C++ compiler only offers a static one (a GCC built into its own prefix, as on the GPU
+    image: /opt/gcc's g++ has libstdc++.a alone). A static copy inside chorus._C keeps its own
+    locale facet ids; a std::ostream from it then crashed formatting an integer (the first
+    TORCH_CHECK message with a number, in the CUDA bad-arguments test). Named ahead of the
+    compiler's own -lstdc++, the shared library defines every runtime symbol first."""
+
+    try:
+        found = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True,
+                               text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if os.path.isabs(found) and os.path.exists(found):
+        return []  # the compiler links the shared runtime itself
+    lib = _loaded_libstdcxx()
+    if lib is None:
+        print(f"chorus setup: warning: {cxx} has no shared libstdc++ and none is loaded here; "
+              "the extension gets a private static copy", file=sys.stderr)
+        return []
+    print(f"chorus setup: {cxx} has no shared libstdc++: linking {lib} (the one torch loads)",
+          file=sys.stderr)
+    return [f"-L{os.path.dirname(lib)}", f"-l:{os.path.basename(lib)}"]
+
+
 def _build_ext_class(base):
     class BuildExt(base):
         # `build` runs build_clib before build_ext, but `build_ext --inplace` and editable
@@ -118,6 +158,11 @@ def _build_ext_class(base):
             if self.distribution.has_c_libraries():
                 self.run_command("build_clib")
             super().run()
+
+        def build_extension(self, ext):
+            ext.extra_link_args = list(ext.extra_link_args or []) + _shared_cxx_runtime(
+                self.compiler.compiler_cxx[0])
+            super().build_extension(ext)
 
     return BuildExt
 

@@ -34,7 +34,7 @@ fi
 if [ "$what" = all ] || [ "$what" = tests ]; then
   echo "== tests"
   rm -rf "$LOG/jobs"; mkdir -p "$LOG/jobs"
-  (cd tests && CHORUS_TEST_LOGS="$LOG/jobs" $PY -m pytest -q test_cuda.py -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1) | tee "$LOG/tests.log" \
+  (cd tests && CHORUS_TEST_LOGS="$LOG/jobs" $PY -m pytest -q test_cuda.py test_build.py -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1) | tee "$LOG/tests.log" \
     | tail -30
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
