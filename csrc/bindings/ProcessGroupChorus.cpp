@@ -1070,6 +1070,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::broadcast(std::vector<at::Ten
   });
 }
 
+c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::allreduce_sparse(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
+  return allreduce(tensors, opts);
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupChorus::allreduce(std::vector<at::Tensor>& tensors,
                                                              const c10d::AllreduceOptions& opts) {
   const char* op = "all_reduce";
