@@ -652,7 +652,8 @@ static void bench_main(int rank, int rfd, int wfd, uint64_t bytes) {
   T(socket_connect_all(comm) == CHORUS_SUCCESS);
   conn_t *c = comm->conns[CHAN_COLL][1 - rank];
   if (!c) return;
-  /* rank 1 sends, rank 0 receives; bytes are not touched: this times the transport */
+  /* rank 1 sends, rank 0 receives; this times the transport: the ring's bytes are written
+   * only on its first laps (16 MiB), so that no uninitialised byte reaches send (valgrind) */
   int64_t t0 = ms_now();
   uint64_t moved = 0;
   int ok = 1;
@@ -664,6 +665,7 @@ static void bench_main(int rank, int rfd, int wfd, uint64_t bytes) {
     if (rank == 1) {
       c->ops->reserve(c, &p, &len);
       if (len > bytes - moved) len = (size_t)(bytes - moved);
+      if (moved < (16u << 20)) memset(p, (int)(moved & 0xff), len);
       c->ops->commit(c, len);
       moved += len;
     }

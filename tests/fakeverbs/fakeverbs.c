@@ -235,11 +235,29 @@ static struct fake_mr *mr_by_rkey(uint32_t rkey) {
   return NULL;
 }
 
+/* A NIC's DMA into memory the host may be polling: words land whole, one by one (relaxed
+ * atomic stores: a reader's atomic loads, as ib.c's clear-to-send FIFO makes, see each word
+ * old or new, and ThreadSanitizer sees no race with them). */
+static void dma_copy(void *dst, const void *src, size_t len) {
+  uint8_t *d = dst;
+  const uint8_t *s = src;
+  for (; len && ((uintptr_t)d & 7); len--) __atomic_store_n(d++, *s++, __ATOMIC_RELAXED);
+  for (; len >= 8; len -= 8, d += 8, s += 8) {
+    uint64_t w;
+    memcpy(&w, s, 8);
+    __atomic_store_n((uint64_t *)(void *)d, w, __ATOMIC_RELAXED);
+  }
+  for (; len; len--) __atomic_store_n(d++, *s++, __ATOMIC_RELAXED);
+}
+
 /* Target side of one RDMA write: the status of the ack. */
 static int apply_write(struct fake_qp *qp, const struct wire_hdr *h, const uint8_t *data) {
   /* a QP that is not ready (or in error) drops the packets: the requester's retries run out */
-  if (qp->state != CV_QPS_RTR && qp->state != CV_QPS_RTS) return CV_WC_RETRY_EXC_ERR;
-  if (!(qp->access & CV_ACCESS_REMOTE_WRITE)) return CV_WC_REM_ACCESS_ERR;
+  pthread_mutex_lock(&qp->mu); /* a poster's thread may move the QP to error meanwhile */
+  int state = qp->state, access = qp->access;
+  pthread_mutex_unlock(&qp->mu);
+  if (state != CV_QPS_RTR && state != CV_QPS_RTS) return CV_WC_RETRY_EXC_ERR;
+  if (!(access & CV_ACCESS_REMOTE_WRITE)) return CV_WC_REM_ACCESS_ERR;
   if (h->len) {
     pthread_mutex_lock(&mr_mu);
     struct fake_mr *m = mr_by_rkey(h->rkey);
@@ -247,7 +265,7 @@ static int apply_write(struct fake_qp *qp, const struct wire_hdr *h, const uint8
              h->raddr >= (uint64_t)(uintptr_t)m->base.addr &&
              h->raddr + h->len <= (uint64_t)(uintptr_t)m->base.addr + m->base.length &&
              h->raddr + h->len >= h->raddr;
-    if (ok) memcpy((void *)(uintptr_t)h->raddr, data, h->len);
+    if (ok) dma_copy((void *)(uintptr_t)h->raddr, data, h->len);
     pthread_mutex_unlock(&mr_mu);
     if (!ok) return CV_WC_REM_ACCESS_ERR;
   }
@@ -293,8 +311,13 @@ static void *service(void *arg) {
     pfd[n++] = (struct pollfd){qp->wake[0], POLLIN, 0};
     pfd[n++] = (struct pollfd){qp->listen_fd, POLLIN, 0};
     /* -1 until RTR, and after the peer went away: ignored */
-    pfd[n++] = (struct pollfd){qp->out_dead ? -1 : qp->out_fd, POLLIN, 0};
-    for (int i = 0; i < qp->nin; i++) pfd[n++] = (struct pollfd){qp->in_fd[i], POLLIN, 0};
+    /* set by ibv_modify_qp (RTR) on the caller's thread, under mu */
+    pthread_mutex_lock(&qp->mu);
+    int out_fd = qp->out_fd;
+    pthread_mutex_unlock(&qp->mu);
+    pfd[n++] = (struct pollfd){qp->out_dead ? -1 : out_fd, POLLIN, 0};
+    const int polled_in = qp->nin; /* an accept below may add one that was not polled */
+    for (int i = 0; i < polled_in; i++) pfd[n++] = (struct pollfd){qp->in_fd[i], POLLIN, 0};
     if (poll(pfd, (nfds_t)n, -1) < 0) {
       if (errno == EINTR) continue;
       break;
@@ -317,7 +340,7 @@ static void *service(void *arg) {
     }
     if (pfd[2].revents) {
       struct wire_hdr h;
-      if (io_all(qp->out_fd, &h, sizeof h, 0) != 0) {
+      if (io_all(out_fd, &h, sizeof h, 0) != 0) {
         /* the peer QP is gone: what is outstanding fails as after exhausted retries */
         pthread_mutex_lock(&qp->mu);
         qp->peer_gone = 1;
@@ -334,7 +357,7 @@ static void *service(void *arg) {
         ack_oldest(qp, (int)h.status, 0);
       }
     }
-    for (int i = 0; i < qp->nin; i++) {
+    for (int i = 0; i < polled_in; i++) {
       if (!pfd[3 + i].revents) continue;
       int fd = qp->in_fd[i];
       struct wire_hdr h;
@@ -629,7 +652,9 @@ static int connect_dest(struct fake_qp *qp, const struct cv_qp_attr *a) {
     qp->unreachable = 1; /* wrong address: nobody answers */
     return 0;
   }
+  pthread_mutex_lock(&qp->mu);
   qp->out_fd = fd;
+  pthread_mutex_unlock(&qp->mu);
   char x = 0; /* the service thread polls out_fd from now on */
   if (write(qp->wake[1], &x, 1) != 1) return errno;
   return 0;
@@ -659,8 +684,10 @@ EXPORT int ibv_modify_qp(struct cv_qp *bqp, struct cv_qp_attr *a, int mask) {
   if ((mask & need) != need) return EINVAL;
   if (to == CV_QPS_INIT) {
     if (a->port_num != 1) return EINVAL;
+    pthread_mutex_lock(&qp->mu); /* read by the service thread */
     qp->port = 1;
     qp->access = (int)a->qp_access_flags;
+    pthread_mutex_unlock(&qp->mu);
   } else if (to == CV_QPS_RTR) {
     if (a->path_mtu < CV_MTU_256 || a->path_mtu > CV_MTU_4096 || a->ah_attr.port_num != 1)
       return EINVAL;

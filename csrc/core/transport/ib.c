@@ -485,7 +485,9 @@ static void read_fifo(struct ib_conn *c, int *progressed) {
       r.reposted = __atomic_load_n(&nt->rec.reposted, __ATOMIC_ACQUIRE);
       r.check = __atomic_load_n(&nt->rec.check, __ATOMIC_ACQUIRE);
       char text[sizeof nt->text];
-      memcpy(text, (const void *)nt->text, sizeof text);
+      /* the peer's NIC may be writing it: byte loads, the record's check decides */
+      for (size_t i = 0; i < sizeof text; i++)
+        text[i] = __atomic_load_n(&nt->text[i], __ATOMIC_RELAXED);
       text[sizeof text - 1] = 0;
       if (r.check == abort_check(&r) && r.reposted == text_hash(text, sizeof text)) {
         /* the notice holds for both connections to this peer (it may reach us on either) */
