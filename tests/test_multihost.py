@@ -9,17 +9,14 @@ per host with the rendezvous over the veth network. One job checks:
   host names;
 - the sockets between hosts use the veth's IPv6 address (CHORUS_SOCKET_FAMILY=AF_INET6, the
   interface chosen by a prefix on host a and by an exclusion on host b, NCCL_SOCKET_IFNAME),
-  striped over 2 TCP connections per channel (the default between hosts);
+  striped over 4 TCP connections per channel (the default between hosts);
 - performance, one rank per host, 256 MiB (MH_PERF_BYTES), measured interleaved in one job
   (median of 3 rounds each): all_reduce busbw against a plain TCP connection between the
-  same namespaces, one way and both ways at once. A 2-rank all_reduce sends and receives its
-  whole size on each rank, so on a veth pair, where both directions are carried by the same
-  CPUs, its ceiling is the both-ways rate per direction, not the one-way rate (on this
-  2-core machine the former is about half the latter; docs/PERFORMANCE.md, "Multi-host TCP").
-  The test holds busbw to at least 50% of the both-ways rate, a loose floor (on a loaded
-  machine the plain transfer, with two threads per side, gets a bigger share of the CPUs
-  than Chorus's one engine thread per rank), measures once more if it is not reached, and
-  prints the one-way ratio, the bar of issue 7, which this machine cannot reach.
+  same namespaces, one way (and, printed for comparison, both ways at once). The test holds
+  busbw to issue 7's bar, at least 80% of the one-way rate, and measures up to 3 times: the
+  machine's other jobs take CPU from one measurement or the other (on this 2-core machine the
+  default, a ring over 4 TCP connections per peer, measured 1.03-1.15 of the one-way rate on
+  an idle machine; docs/PERFORMANCE.md, "Multi-host TCP").
 
 Skipped, saying why, only where network namespaces cannot be created (not root, no `ip`)."""
 import glob
@@ -37,7 +34,7 @@ import simhosts  # noqa: E402
 
 WORKER = os.path.join(HERE, "workers", "multihost.py")
 PERF_BYTES = int(os.environ.get("MH_PERF_BYTES", str(256 << 20)))
-BAR_BIDIR = 0.50
+BAR_ONE_WAY = 0.80  # issue 7: all_reduce busbw / plain single-stream TCP, one way
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +136,7 @@ def test_multihost_every_collective_shm_inside_tcp_between(hosts):
             assert adv.group(1).startswith(f"[{hosts.ipv6[me_h]}]:"), adv.group(0)
             assert adv.group(2) == hosts.ifname[me_h], adv.group(0)
             for p in (range(2, 4) if mine == 0 else range(0, 2)):
-                assert re.search(rf"socket: peer {p} \(\S+ on \S+\): 2 TCP connections per channel, "
+                assert re.search(rf"socket: peer {p} \(\S+ on \S+\): 4 TCP connections per channel, "
                                  r"striped in \d+-byte chunks", text), \
                     f"rank {r}: no striping line for peer {p}"
 
@@ -147,7 +144,7 @@ def test_multihost_every_collective_shm_inside_tcp_between(hosts):
 def test_multihost_allreduce_busbw_vs_plain_tcp(hosts):
     """One rank per host (see the module docstring)."""
     attempts = []
-    for attempt in range(2):
+    for attempt in range(3):
         with tempfile.TemporaryDirectory(prefix="chorus-mhperf-") as outdir:
             os.chmod(outdir, 0o777)
             results = run_job(hosts, outdir, 1, {
@@ -162,9 +159,9 @@ def test_multihost_allreduce_busbw_vs_plain_tcp(hosts):
                   f"one way, {perf['bidir_GBps']:.2f} GB/s each way both at once; all_reduce "
                   f"busbw {perf['allreduce_busbw_GBps']:.2f} GB/s = {perf['ratio']:.2f} x one-way, "
                   f"{perf['ratio_bidir']:.2f} x both-ways")
-            if perf["ratio_bidir"] >= BAR_BIDIR:
+            if perf["ratio"] >= BAR_ONE_WAY:
                 return
-    pytest.fail("all_reduce busbw below %.0f%% of plain TCP both ways in %d attempts: %s" % (
-        BAR_BIDIR * 100, len(attempts),
+    pytest.fail("all_reduce busbw below %.0f%% of plain TCP one way in %d attempts: %s" % (
+        BAR_ONE_WAY * 100, len(attempts),
         [{k: round(a[k], 2) for k in ("allreduce_busbw_GBps", "bidir_GBps", "plain_GBps")}
          for a in attempts]))

@@ -5,7 +5,8 @@ per host started by `torchrun --nnodes=2`, measured interleaved in one job
 (tests/workers/multihost.py, perf part). Needs root. Prints one line per configuration:
 
     python3 tools/multihost_bench.py [--bytes 256M] [--rounds 5] [--nsocks -1,1,2,4]
-                                     [--family AF_INET|AF_INET6] [--python .venv/bin/python]
+                                     [--family AF_INET|AF_INET6] [--nproc 1]
+                                     [--python .venv/bin/python]
 
 --nsocks runs one job per CHORUS_NSOCKS_PERTHREAD value (-1: the default). busbw of a
 2-rank all_reduce is its algbw (2(n-1)/n = 1). CHORUS_SPIN_COUNT is 0 unless set: each
@@ -35,6 +36,9 @@ def main():
     ap.add_argument("--nsocks", default="-1")
     ap.add_argument("--family", default="AF_INET", choices=["AF_INET", "AF_INET6"])
     ap.add_argument("--python", default=os.path.join(ROOT, ".venv", "bin", "python"))
+    ap.add_argument("--nproc", type=int, default=1,
+                    help="ranks per simulated host (> 1: the whole group's all_reduce is "
+                         "timed too, in the same rounds)")
     ap.add_argument("--json", help="write the records here")
     a = ap.parse_args()
     why = simhosts.missing_capability()
@@ -55,7 +59,7 @@ def main():
                        # while it waits takes them from the other host's kernel work
                        "CHORUS_SPIN_COUNT": os.environ.get("CHORUS_SPIN_COUNT", "0")}
                 codes = simhosts.run_torchrun_job(
-                    hosts, os.path.join(ROOT, "tests", "workers", "multihost.py"), 1, out, env,
+                    hosts, os.path.join(ROOT, "tests", "workers", "multihost.py"), a.nproc, out, env,
                     env, timeout=600, python=a.python)
                 if codes != {"a": 0, "b": 0}:
                     for h in ("a", "b"):
@@ -72,6 +76,10 @@ def main():
                   f"both at once; chorus all_reduce busbw {p['allreduce_busbw_GBps']:.2f} GB/s "
                   f"= {p['ratio']:.2f} x one-way, {p['ratio_bidir']:.2f} x both-ways "
                   f"(medians of {a.rounds} interleaved rounds)", flush=True)
+            if "world" in p:
+                print(f"  whole group, {a.nproc} ranks per host x 2 hosts: all_reduce busbw "
+                      f"{p['world_busbw_GBps']:.2f} GB/s = {p['world_ratio']:.2f} x one-way",
+                      flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(records, f, indent=1)

@@ -179,63 +179,82 @@ def recv_exact(s, view):
 
 
 def perf(nbytes, rounds):
-    """Rank 0 and rank world/2: plain TCP vs Chorus all_reduce, interleaved."""
+    """Rank 0 and rank world/2 (one on each host): plain TCP vs Chorus all_reduce between
+    them, interleaved; with more than one rank per host, an all_reduce of the whole group
+    too (every rank), in the same rounds."""
     other = world // 2
     group = dist.new_group([0, other])  # every rank takes part in creating it
-    if rank not in (0, other):
-        dist.barrier()
-        return None
+    pair = rank in (0, other)
     port = int(os.environ.get("MH_PLAIN_PORT", "29611"))
-    buf = bytearray(nbytes)
-    view = memoryview(buf)
-    lst = None
+    buf = bytearray(nbytes) if pair else None
+    view = memoryview(buf) if pair else None
+    conn = lst = None
     if rank == other:
         fam = socket.AF_INET6 if ":" in os.environ["MH_PEER_ADDR"] else socket.AF_INET
         lst = socket.socket(fam, socket.SOCK_STREAM)
         lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         lst.bind((os.environ["MH_PEER_ADDR"], port))
         lst.listen(1)
-    dist.barrier(group=group)
-    if rank == 0:
-        conn = socket.create_connection((os.environ["MH_PEER_ADDR"], port), timeout=120)
-    else:
-        conn, _ = lst.accept()
-        lst.close()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    t = torch.ones(nbytes // 4)
-    out = bytearray(nbytes)
-    plain, bidir, coll = [], [], []
-    dist.all_reduce(t, group=group)  # warm-up: connections, first touch of the pages
-    for _ in range(rounds):
+    if pair:
         dist.barrier(group=group)
-        t0 = time.perf_counter()
         if rank == 0:
-            conn.sendall(view)
-            recv_exact(conn, view[:1])  # the receiver has everything
+            conn = socket.create_connection((os.environ["MH_PEER_ADDR"], port), timeout=120)
         else:
+            conn, _ = lst.accept()
+            lst.close()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    t = torch.ones(nbytes // 4)
+    tw = torch.ones(nbytes // 4) if world > 2 else None
+    out = bytearray(nbytes) if pair else None
+    plain, bidir, coll, whole = [], [], [], []
+    if pair:
+        dist.all_reduce(t, group=group)  # warm-up: connections, first touch of the pages
+    if tw is not None:
+        dist.all_reduce(tw)
+    for _ in range(rounds):
+        if pair:
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            if rank == 0:
+                conn.sendall(view)
+                recv_exact(conn, view[:1])  # the receiver has everything
+            else:
+                recv_exact(conn, view)
+                conn.sendall(b"k")
+            plain.append(time.perf_counter() - t0)
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            sender = threading.Thread(target=conn.sendall, args=(out,))
+            sender.start()
             recv_exact(conn, view)
-            conn.sendall(b"k")
-        plain.append(time.perf_counter() - t0)
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        sender = threading.Thread(target=conn.sendall, args=(out,))
-        sender.start()
-        recv_exact(conn, view)
-        sender.join()
-        bidir.append(time.perf_counter() - t0)
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        dist.all_reduce(t, group=group)
-        coll.append(time.perf_counter() - t0)
-    conn.close()
+            sender.join()
+            bidir.append(time.perf_counter() - t0)
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            dist.all_reduce(t, group=group)
+            coll.append(time.perf_counter() - t0)
+        if tw is not None:
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(tw)
+            whole.append(time.perf_counter() - t0)
+    if conn is not None:
+        conn.close()
     dist.barrier()
     if rank != 0:
         return None
     tp, tb, tc = statistics.median(plain), statistics.median(bidir), statistics.median(coll)
-    return {"bytes": nbytes, "rounds": rounds, "plain_s": plain, "bidir_s": bidir,
-            "allreduce_s": coll, "plain_GBps": nbytes / tp / 1e9,
-            "bidir_GBps": nbytes / tb / 1e9, "allreduce_busbw_GBps": nbytes / tc / 1e9,
-            "ratio": tp / tc, "ratio_bidir": tb / tc}
+    res = {"bytes": nbytes, "rounds": rounds, "plain_s": plain, "bidir_s": bidir,
+           "allreduce_s": coll, "plain_GBps": nbytes / tp / 1e9,
+           "bidir_GBps": nbytes / tb / 1e9, "allreduce_busbw_GBps": nbytes / tc / 1e9,
+           "ratio": tp / tc, "ratio_bidir": tb / tc}
+    if whole:
+        # nccl-tests' bus bandwidth of the whole group's all_reduce: 2(n-1)/n x size / time
+        tw_med = statistics.median(whole)
+        res.update(world=world, world_allreduce_s=whole,
+                   world_busbw_GBps=2 * (world - 1) / world * nbytes / tw_med / 1e9,
+                   world_ratio=2 * (world - 1) / world * tp / tw_med)
+    return res
 
 
 def main():

@@ -401,17 +401,31 @@ int algo_usable(const struct chorus_comm *comm, const struct op *op, int id) {
 }
 
 /* ------------------------------------------------------------------ the decision */
+/* Order of two algorithms with modelled costs ca and cb: the cheaper first; on a tie the
+ * pipelined ring before the others, then the lower id. The model adds reduction and copy
+ * time to transfer time, which a pipelined schedule overlaps and a phased one does not; the
+ * costs tie exactly where the terms are equal, as direct and ring are at 2 ranks, and there
+ * the ring was measured faster (2 simulated hosts over a veth pair, 256 MiB all_reduce:
+ * 0.80-0.83 of a one-way TCP stream's rate against 0.67-0.73 for direct; docs/design.md,
+ * "Tuner"). */
+static int goes_before(int a, double ca, int b, double cb) {
+  if (ca != cb) return ca < cb;
+  /* (a cost of 0 is a group of one: nothing moves, direct stays first) */
+  if (ca > 0 && (a == ALGO_RING) != (b == ALGO_RING)) return a == ALGO_RING;
+  return a < b;
+}
+
 int tune_rank(const struct tune_model *m, const struct tune_topo *t, enum op_kind kind,
               double bytes, uint32_t mask, int *ids, double *costs, int cap) {
   int n = 0;
   for (int id = 0; id < ALGO_COUNT && n < cap; id++) {
     if (!(mask & (1u << id))) continue;
     double c = tune_cost(m, t, kind, id, bytes);
-    /* insertion by (modelled first, cost, id); ids arrive in increasing order */
+    /* insertion by (modelled first, then goes_before); ids arrive in increasing order */
     int j = n++;
     while (j > 0) {
       double pc = costs[j - 1];
-      int before = c >= 0 && (pc < 0 || c < pc);
+      int before = c >= 0 && (pc < 0 || goes_before(id, c, ids[j - 1], pc));
       if (!before) break;
       ids[j] = ids[j - 1];
       costs[j] = costs[j - 1];
@@ -423,7 +437,7 @@ int tune_rank(const struct tune_model *m, const struct tune_topo *t, enum op_kin
   return n;
 }
 
-/* Cheapest modelled id in mask (ties: lowest id); an unmodelled one only if none is. */
+/* Cheapest modelled id in mask (ties: goes_before); an unmodelled one only if none is. */
 static int cheapest(const struct tune_model *m, const struct tune_topo *t, enum op_kind k,
                     double B, uint32_t mask, double *us) {
   int best = -1, fallback = -1;
@@ -433,7 +447,7 @@ static int cheapest(const struct tune_model *m, const struct tune_topo *t, enum 
     double c = tune_cost(m, t, k, id, B);
     if (c < 0) {
       if (fallback < 0) fallback = id;
-    } else if (best < 0 || c < best_c) {
+    } else if (best < 0 || goes_before(id, c, best, best_c)) {
       best = id;
       best_c = c;
     }

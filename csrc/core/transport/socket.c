@@ -6,6 +6,7 @@
 #define _GNU_SOURCE
 #endif
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <errno.h>
 #include <ifaddrs.h>
 #include <limits.h>
@@ -18,6 +19,7 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/epoll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -33,7 +35,8 @@
                                      stream, nstreams, chunk */
 #define ACK_LEN SOCK_ACK_LEN      /* magic, version, rank, channel, stream */
 #define MAX_STREAMS 16            /* TCP sub-connections of one connection */
-#define STREAMS_REMOTE 2          /* NSOCKS_PERTHREAD=-1 between hosts (docs/design.md) */
+#define FD_HEADROOM 64            /* descriptors left for whatever else the process opens */
+#define STREAMS_REMOTE 4          /* NSOCKS_PERTHREAD=-1 between hosts (docs/design.md) */
 #define CHUNK_MIN 4096u           /* stripe unit bounds, as the hello may carry them */
 #define CHUNK_MAX (1u << 20)
 #define HELLO_WAIT_MS 5000        /* a silent stranger is dropped after this */
@@ -1350,6 +1353,39 @@ out:
 }
 
 /* ------------------------------------------------------------ connect_all */
+/* The connections about to be made need `want` more file descriptors: raise the soft
+ * RLIMIT_NOFILE towards the hard one when it is short (a large job between hosts opens
+ * streams x channels per remote peer), and say so; warn, with what to change, when even the
+ * hard limit is short (connecting then fails with EMFILE, naming the peer). */
+static long open_fds(void) {
+  DIR *d = opendir("/proc/self/fd");
+  if (!d) return 256; /* no /proc: a generous guess */
+  long k = 0;
+  while (readdir(d)) k++;
+  closedir(d);
+  return k;
+}
+
+static void ensure_fd_room(struct chorus_comm *comm, long want) {
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return;
+  const rlim_t need = (rlim_t)(open_fds() + want + FD_HEADROOM);
+  if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur >= need) return;
+  if (rl.rlim_cur == RLIM_INFINITY) return;
+  const rlim_t old = rl.rlim_cur;
+  rl.rlim_cur = rl.rlim_max == RLIM_INFINITY || rl.rlim_max >= need ? need : rl.rlim_max;
+  if (rl.rlim_cur > old && setrlimit(RLIMIT_NOFILE, &rl) == 0)
+    INFO(SUB_NET, comm->rank, "socket: raised the open-file limit (RLIMIT_NOFILE) from %llu to "
+         "%llu for the %ld descriptors of TCP connections", (unsigned long long)old,
+         (unsigned long long)rl.rlim_cur, want);
+  else
+    rl.rlim_cur = old;
+  if (rl.rlim_cur < need)
+    WARN(comm->rank, "socket: %ld descriptors needed for TCP connections, but the open-file limit "
+         "(RLIMIT_NOFILE) is %llu: raise `ulimit -n` (hard limit) or use fewer connections per "
+         "peer (CHORUS_NSOCKS_PERTHREAD=1)", want, (unsigned long long)rl.rlim_cur);
+}
+
 chorus_result_t socket_connect_all(struct chorus_comm *comm) {
   struct sock_state *st = comm->sock;
   int n = comm->nranks, me = comm->rank;
@@ -1372,6 +1408,14 @@ chorus_result_t socket_connect_all(struct chorus_comm *comm) {
     }
   }
   if (nconnect + naccept == 0) goto done;
+  long fds = 0; /* TCP connections, plus an epoll set per striped connection */
+  for (int p = 0; p < n; p++)
+    for (int ch = 0; ch < CHAN_COUNT; ch++)
+      if (need[(size_t)p * CHAN_COUNT + ch]) {
+        int k = streams_for(comm, p);
+        fds += k + (k > 1);
+      }
+  ensure_fd_room(comm, fds);
   if (naccept && (!st || st->listen_fd < 0)) {
     res = comm_set_error(comm, CHORUS_ERR_INTERNAL, "rank %d: socket_connect_all without a "
                          "listening socket (socket_listen not called or failed)", me);
