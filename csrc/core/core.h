@@ -67,7 +67,7 @@ int chorus_log_enabled(int level, int subsys);
     "where the chosen interface has it, else IPv6 (link-local only if nothing else).")        \
   X(NSOCKS_PERTHREAD, "NSOCKS_PERTHREAD", "int", "-1", 1,                                     \
     "TCP connections per peer and channel, striped in fixed chunks (1 to 16); -1: 1 on the "  \
-    "same host, 2 between hosts.")                                                            \
+    "same host, 4 between hosts.")                                                            \
   X(SPIN_COUNT, "SPIN_COUNT", "int", "-1", 0,                                                \
     "Polls of an idle connection before the waiting thread yields the core, then sleeps; "    \
     "-1: 2000 when every local rank has a core of its own, else 0.")                         \
