@@ -408,10 +408,10 @@ int algo_usable(const struct chorus_comm *comm, const struct op *op, int id) {
  * the ring was measured faster (2 simulated hosts over a veth pair, 256 MiB all_reduce:
  * 0.80-0.83 of a one-way TCP stream's rate against 0.67-0.73 for direct; docs/design.md,
  * "Tuner"). */
-static int goes_before(int a, double ca, int b, double cb) {
+static int goes_before(const struct tune_topo *t, int a, double ca, int b, double cb) {
   if (ca != cb) return ca < cb;
-  /* (a cost of 0 is a group of one: nothing moves, direct stays first) */
-  if (ca > 0 && (a == ALGO_RING) != (b == ALGO_RING)) return a == ALGO_RING;
+  /* only between hosts, where it was measured (a cost of 0 is a group of one) */
+  if (t->nhosts > 1 && ca > 0 && (a == ALGO_RING) != (b == ALGO_RING)) return a == ALGO_RING;
   return a < b;
 }
 
@@ -425,7 +425,7 @@ int tune_rank(const struct tune_model *m, const struct tune_topo *t, enum op_kin
     int j = n++;
     while (j > 0) {
       double pc = costs[j - 1];
-      int before = c >= 0 && (pc < 0 || goes_before(id, c, ids[j - 1], pc));
+      int before = c >= 0 && (pc < 0 || goes_before(t, id, c, ids[j - 1], pc));
       if (!before) break;
       ids[j] = ids[j - 1];
       costs[j] = costs[j - 1];
@@ -447,7 +447,7 @@ static int cheapest(const struct tune_model *m, const struct tune_topo *t, enum 
     double c = tune_cost(m, t, k, id, B);
     if (c < 0) {
       if (fallback < 0) fallback = id;
-    } else if (best < 0 || goes_before(id, c, best, best_c)) {
+    } else if (best < 0 || goes_before(t, id, c, best, best_c)) {
       best = id;
       best_c = c;
     }
