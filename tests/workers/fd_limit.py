@@ -15,15 +15,16 @@ import chorus  # noqa: F401  (registers the backend)
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 open_now = len(os.listdir("/proc/self/fd"))
-soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 low = open_now + 24
 resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
 dist.init_process_group("chorus", timeout=timedelta(seconds=60))
 t = torch.full((1 << 16,), float(rank + 1))
+want = float(world * (world + 1) // 2)
+ok = True
 for _ in range(3):
     dist.all_reduce(t)
-    want = float(world * (world + 1) // 2)
-    ok = bool((t == want).all())
+    ok = ok and bool((t == want).all())
     t.fill_(float(rank + 1))
 after = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 fds = len(os.listdir("/proc/self/fd"))

@@ -1353,10 +1353,7 @@ out:
 }
 
 /* ------------------------------------------------------------ connect_all */
-/* The connections about to be made need `want` more file descriptors: raise the soft
- * RLIMIT_NOFILE towards the hard one when it is short (a large job between hosts opens
- * streams x channels per remote peer), and say so; warn, with what to change, when even the
- * hard limit is short (connecting then fails with EMFILE, naming the peer). */
+/* Descriptors this process has open now. */
 static long open_fds(void) {
   DIR *d = opendir("/proc/self/fd");
   if (!d) return 256; /* no /proc: a generous guess */
@@ -1366,12 +1363,15 @@ static long open_fds(void) {
   return k;
 }
 
+/* The connections about to be made need `want` more file descriptors: raise the soft
+ * RLIMIT_NOFILE towards the hard one when it is short (a large job between hosts opens
+ * streams x channels per remote peer), and say so; warn, with what to change, when even the
+ * hard limit is short (connecting then fails with EMFILE, naming the peer). */
 static void ensure_fd_room(struct chorus_comm *comm, long want) {
   struct rlimit rl;
   if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return;
   const rlim_t need = (rlim_t)(open_fds() + want + FD_HEADROOM);
-  if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur >= need) return;
-  if (rl.rlim_cur == RLIM_INFINITY) return;
+  if (rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur >= need) return;
   const rlim_t old = rl.rlim_cur;
   rl.rlim_cur = rl.rlim_max == RLIM_INFINITY || rl.rlim_max >= need ? need : rl.rlim_max;
   if (rl.rlim_cur > old && setrlimit(RLIMIT_NOFILE, &rl) == 0)
