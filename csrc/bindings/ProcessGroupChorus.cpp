@@ -1650,6 +1650,32 @@ std::string ProcessGroupChorus::dumpTrace(const std::string& dir, const std::str
   return path;
 }
 
+uint64_t ProcessGroupChorus::registerBuffer(const at::Tensor& tensor) {
+  TORCH_CHECK(tensor.defined(), "chorus.register: the tensor is undefined");
+  TORCH_CHECK(tensor.device().is_cpu(), "chorus.register: only CPU tensors can be registered "
+              "(device tensors cross hosts staged through host memory); got one on ",
+              tensor.device());
+  TORCH_CHECK(tensor.layout() == c10::kStrided, "chorus.register: only dense tensors can be "
+              "registered, got layout ", tensor.layout());
+  const c10::Storage& st = tensor.storage();
+  TORCH_CHECK(st.data() != nullptr && st.nbytes() > 0,
+              "chorus.register: the tensor has no memory (empty storage)");
+  std::lock_guard<std::mutex> lk(mu_);
+  TORCH_CHECK(comm_ && !closed_, "chorus: process group was shut down");
+  void* handle = nullptr;
+  chorus_result_t res = chorus_comm_register(comm_, st.data(), st.nbytes(), &handle);
+  TORCH_CHECK(res == CHORUS_SUCCESS, "chorus.register: ", chorus_comm_error(nullptr));
+  return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(handle));
+}
+
+void ProcessGroupChorus::deregisterBuffer(uint64_t handle) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!comm_ || closed_) return;
+  chorus_result_t res =
+      chorus_comm_deregister(comm_, reinterpret_cast<void*>(static_cast<uintptr_t>(handle)));
+  TORCH_CHECK(res == CHORUS_SUCCESS, "chorus.register: ", chorus_comm_error(nullptr));
+}
+
 std::vector<std::string> dumpAllTraces(const std::string& dir, const std::string& reason) {
   std::vector<char> paths(1 << 16);
   int written = 0;

@@ -243,6 +243,11 @@ class ProcessGroupChorus : public c10d::Backend {
   // Writes this group's flight record (chorus_trace_dump) into dir ("" : CHORUS_TRACE_DIR);
   // returns the file's path.
   std::string dumpTrace(const std::string& dir, const std::string& reason);
+  // chorus_comm_register over the whole storage of a CPU tensor (so every view of it is
+  // covered); the handle for deregisterBuffer. Deregistering after the group was shut down
+  // does nothing (destroy released every registration).
+  uint64_t registerBuffer(const at::Tensor& tensor);
+  void deregisterBuffer(uint64_t handle);
 
  private:
 

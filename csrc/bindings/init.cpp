@@ -58,7 +58,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       // makes the split use getBackendOptions() with the parent's timeout.
       .def_property_readonly("options", [](const ProcessGroupChorus&) { return py::none(); })
       .def("_sequence_number", &ProcessGroupChorus::getSequenceNumberForGroup,
-           py::call_guard<py::gil_scoped_release>());
+           py::call_guard<py::gil_scoped_release>())
+      .def("_register_buffer", &ProcessGroupChorus::registerBuffer, py::arg("tensor"),
+           py::call_guard<py::gil_scoped_release>(),
+           "chorus_comm_register over the tensor's storage; returns the handle.")
+      .def("_deregister_buffer", &ProcessGroupChorus::deregisterBuffer, py::arg("handle"),
+           py::call_guard<py::gil_scoped_release>(),
+           "chorus_comm_deregister; nothing once the group was shut down.");
 
   m.def(
       "tune_plan",

@@ -95,6 +95,7 @@ static void comm_free(struct chorus_comm *comm) {
     free(comm->conns[ch]);
   }
   socket_teardown(comm);
+  reg_teardown(comm); /* before the NICs' protection domains go */
   ib_teardown(comm);
   shm_teardown(comm);
   if (comm->bs_owner && comm->bs.release) comm->bs.release(comm->bs.ctx);
@@ -106,6 +107,7 @@ static void comm_free(struct chorus_comm *comm) {
   free(comm->global_ranks);
   pthread_mutex_destroy(&comm->mu);
   pthread_mutex_destroy(&comm->err_mu);
+  pthread_mutex_destroy(&comm->reg_mu);
   pthread_cond_destroy(&comm->idle_cv);
   free(comm);
 }
@@ -195,6 +197,7 @@ static chorus_result_t comm_new(int rank, int nranks, const chorus_bootstrap_t *
   comm->timeout_ms = timeout_from(opts);
   pthread_mutex_init(&comm->mu, NULL);
   pthread_mutex_init(&comm->err_mu, NULL);
+  pthread_mutex_init(&comm->reg_mu, NULL);
   pthread_cond_init(&comm->idle_cv, NULL);
   chorus_result_t res = comm_init(comm, opts);
   if (res != CHORUS_SUCCESS) {

@@ -262,8 +262,10 @@ struct transport_ops {
   int (*pollfd)(conn_t *c, struct pollfd *pfd);
   void (*close)(conn_t *c);
   /* Optional (NULL where a transport has none), for big payloads without the rings' copy:
-   * write_direct sends what the outgoing ring still holds and then up to n bytes of src in
-   * one system call (*wrote: bytes of src sent); read_direct, only when no received byte is
+   * write_direct sends what the outgoing ring still holds and then up to n bytes of src
+   * (sockets: in one system call; verbs: the NIC reads a registered src itself), *wrote
+   * counting the bytes of src the transport is done with (the caller may reuse them; a
+   * call that returns fewer is repeated with the rest); read_direct, only when no received byte is
    * buffered, receives up to n bytes of the stream straight into dst, and what follows
    * them into the ring (*got: bytes of dst filled). Both set *progressed when any byte
    * moved, and leave the connection polled for the direction they still need. */
@@ -359,6 +361,24 @@ struct ib_state;
 chorus_result_t ib_setup(struct chorus_comm *comm);
 void ib_abort_conns(struct chorus_comm *comm);
 void ib_teardown(struct chorus_comm *comm);
+
+/* reg.c: buffers registered by the caller (chorus_comm_register). refs counts the caller's
+ * registrations (user) plus the sends that use the buffer now; the entry and its memory
+ * regions go with the last reference. ib_reg_create registers [start, end) on every opened
+ * NIC (nothing where verbs is not in use); ib_reg_release deregisters it. reg_find returns
+ * the registration covering [ptr, ptr + bytes) with a reference taken (reg_put drops it), or
+ * NULL. reg_teardown releases what is left at destroy (after the connections closed). */
+struct chorus_reg {
+  struct chorus_reg *next;
+  uintptr_t start, end;       /* page-aligned */
+  int user, refs;
+  void *ib;                   /* ib.c: one memory region per opened device, or NULL */
+};
+chorus_result_t ib_reg_create(struct chorus_comm *comm, struct chorus_reg *r);
+void ib_reg_release(struct chorus_comm *comm, struct chorus_reg *r);
+struct chorus_reg *reg_find(struct chorus_comm *comm, const void *ptr, size_t bytes);
+void reg_put(struct chorus_comm *comm, struct chorus_reg *r);
+void reg_teardown(struct chorus_comm *comm);
 
 /* ------------------------------------------------------ bootstrap (bootstrap.c) */
 /* Key/value helpers that prefix keys with comm->prefix. */
@@ -468,6 +488,9 @@ struct chorus_comm {
   struct shm_state *shm;
   struct sock_state *sock;
   struct ib_state *ib;        /* ib.c: verbs NICs, NULL when not used */
+  pthread_mutex_t reg_mu;     /* reg.c: guards regs */
+  struct chorus_reg *regs;    /* buffers the caller registered */
+  uint64_t nregs_made;        /* registrations that pinned memory (tests) */
 
   /* engine */
   pthread_t thread;

@@ -394,10 +394,11 @@ static chorus_result_t progress_conns(struct chorus_comm *comm, int *progressed)
   return CHORUS_SUCCESS;
 }
 
-/* Does any connection still hold outgoing bytes (socket tx rings)? They must be
- * flushed before the engine sleeps, or the peer would wait forever. */
+/* Does any connection still hold outgoing bytes or owe its peer something (socket tx
+ * rings; verbs chunks not yet posted, credits not yet returned, a send from a registered
+ * buffer not yet completed)? They must be flushed before the engine sleeps or stops, or
+ * the peer would wait forever. */
 static int conns_flushing(struct chorus_comm *comm) {
-  if (!comm->sock) return 0;
   for (int ch = 0; ch < CHAN_COUNT; ch++)
     for (int p = 0; p < comm->nranks; p++) {
       conn_t *c = comm->conns[ch][p];

@@ -14,7 +14,8 @@ try:
 except Exception:  # not installed as a distribution (e.g. PYTHONPATH): ask the core
     __version__ = _C.version()
 
-__all__ = ["ProcessGroupChorus", "dump_trace", "params", "__version__"]
+__all__ = ["ProcessGroupChorus", "Registration", "dump_trace", "params", "register",
+           "__version__"]
 
 BACKEND_NAME = "chorus"
 
@@ -23,6 +24,72 @@ def params():
     """The core's parameters: a list of dicts (name, env, nccl_env, nccl_fallback, type,
     default, doc, and the value in force with its source)."""
     return _C.params()
+
+
+def _backend_of(group, what):
+    """The ProcessGroupChorus behind `group` (None: the default group), or ValueError."""
+    import torch
+    if group is None:
+        if not dist.is_initialized():
+            raise ValueError(f"chorus.{what}: no process group (call init_process_group first)")
+        group = dist.distributed_c10d._get_default_group()
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except Exception as e:  # noqa: BLE001 (reported with the group below)
+        raise ValueError(f"chorus.{what}: group {group!r} has no Chorus backend: {e}") from e
+    if not isinstance(backend, ProcessGroupChorus):
+        raise ValueError(f"chorus.{what}: group {group!r} uses backend "
+                         f"{type(backend).__name__}, not chorus")
+    return backend
+
+
+class Registration:
+    """A CPU tensor's memory registered with a Chorus group (see `register`). Holds a
+    reference to the tensor, so its memory stays where it was registered until `close()`
+    (or the end of a `with` block). Closing twice, or after the group was destroyed, does
+    nothing."""
+
+    def __init__(self, backend, tensor, handle):
+        self._backend = backend
+        self._tensor = tensor
+        self._handle = handle
+
+    @property
+    def tensor(self):
+        return self._tensor
+
+    @property
+    def closed(self):
+        return self._handle is None
+
+    def close(self):
+        if self._handle is not None:
+            handle, self._handle = self._handle, None
+            self._backend._deregister_buffer(handle)
+            self._tensor = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __repr__(self):
+        return f"<chorus.Registration {'closed' if self.closed else 'open'}>"
+
+
+def register(tensor, group=None):
+    """Registers a CPU tensor's memory (its whole storage, so every view of it counts) with
+    `group`'s Chorus communicator (None: the default group), so that sends from it to other
+    hosts skip the copy into Chorus's buffers where the network allows: over InfiniBand/RoCE
+    the NIC reads the tensor itself. Worth it for buffers used again and again (gradient
+    buckets, persistent all-gather outputs); registration pins the pages (`ulimit -l`).
+    Returns a `Registration`; close it (or use `with`) to release the pages. A no-op that
+    still succeeds where the group has no verbs connections (one host, or TCP)."""
+    backend = _backend_of(group, "register")
+    handle = backend._register_buffer(tensor)
+    return Registration(backend, tensor, handle)
 
 
 def dump_trace(group=None, path=None, reason="api"):
@@ -35,15 +102,7 @@ def dump_trace(group=None, path=None, reason="api"):
     target = "" if path is None else str(path)
     if group is None:
         return list(_C.dump_all_traces(target, reason))
-    try:
-        import torch
-        backend = group._get_backend(torch.device("cpu"))
-    except Exception as e:  # noqa: BLE001 (reported with the group below)
-        raise ValueError(f"chorus.dump_trace: group {group!r} has no Chorus backend: {e}") from e
-    if not isinstance(backend, ProcessGroupChorus):
-        raise ValueError(f"chorus.dump_trace: group {group!r} uses backend "
-                         f"{type(backend).__name__}, not chorus")
-    return [backend._dump_trace(target, reason)]
+    return [_backend_of(group, "dump_trace")._dump_trace(target, reason)]
 
 
 def _create(dist_backend_opts, backend_options):

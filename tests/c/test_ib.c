@@ -310,6 +310,99 @@ static void check_collectives(chorus_comm_t *c, int n) {
   OK(run_req(req, NULL, 0));
 }
 
+void ib_sent_bytes(const struct chorus_comm *comm, uint64_t *zero_copy, uint64_t *ring);
+
+/* Registered buffers (chorus_comm_register): sends from them over verbs go without a copy
+ * (remote "verbs": bytes counted as zero-copy on the ranks whose peer across hosts reads
+ * from them; "socket": nothing is), results stay right, the buffer may be rewritten as soon
+ * as an op completes (the double fails any send whose source changes before its
+ * completion), and registrations are shared, counted and refused when unknown. */
+static void check_registered(chorus_comm_t *c, int n, const char *remote) {
+  int me = chorus_comm_rank(c);
+  chorus_request_t *req;
+  chorus_redop_t sum = {CHORUS_SUM, 1.0};
+  size_t count = 300000; /* 1.2 MB: several times the 64 KiB rings */
+  float *buf = malloc(count * sizeof(float));
+  void *h = NULL, *h2 = NULL, *h3 = NULL;
+  uint64_t made0 = c->nregs_made, zc0, ring0, zc1, ring1;
+  ib_sent_bytes(c, &zc0, &ring0);
+  OK(chorus_comm_register(c, buf, count * sizeof(float), &h));
+  OK(chorus_comm_register(c, buf + 1000, 4000 * sizeof(float), &h2)); /* inside: shared */
+  EXPECT(h2 == h, "rank %d: a range inside a registration got a new one", me);
+  EXPECT(c->nregs_made == made0 + 1, "rank %d: %llu registrations made for one buffer", me,
+         (unsigned long long)(c->nregs_made - made0));
+  for (int round = 0; round < 3; round++) {
+    for (size_t i = 0; i < count; i++) buf[i] = (float)((me + 1) * (int)(i % 89) + round);
+    OK(chorus_iallreduce(c, buf, buf, count, CHORUS_FLOAT32, sum, &req));
+    OK(run_req(req, NULL, 0));
+    float f = (float)(n * (n + 1) / 2);
+    for (size_t i = 0; i < count; i++)
+      if (buf[i] != f * (float)(i % 89) + (float)(n * round)) {
+        EXPECT(0, "rank %d registered allreduce round %d: [%zu] = %g", me, round, i, buf[i]);
+        break;
+      }
+    /* rewritten at once: a send still reading it would fail in the double */
+    for (size_t i = 0; i < count; i++) buf[i] = me == round % n ? (float)i : -1.f;
+    OK(chorus_ibroadcast(c, buf, count, CHORUS_FLOAT32, round % n, &req));
+    OK(run_req(req, NULL, 0));
+    for (size_t i = 0; i < count; i++)
+      if (buf[i] != (float)i) {
+        EXPECT(0, "rank %d registered broadcast from %d: [%zu] = %g", me, round % n, i, buf[i]);
+        break;
+      }
+  }
+  if (n > 1) { /* sends along the ring from the registered buffer, receives elsewhere */
+    float *rb = malloc(count * sizeof(float));
+    int to = (me + 1) % n, from = (me + n - 1) % n;
+    for (int round = 0; round < 2; round++) {
+      for (size_t i = 0; i < count; i++) buf[i] = (float)(me * 7 + round) + (float)(i % 1000);
+      chorus_request_t *rs, *rr;
+      OK(chorus_isend(c, buf, count, CHORUS_FLOAT32, to, 9, &rs));
+      OK(chorus_irecv(c, rb, count, CHORUS_FLOAT32, from, 9, &rr));
+      OK(run_req(rs, NULL, 0));
+      memset(buf, 0xff, count * sizeof(float)); /* the send completed: free to reuse */
+      OK(run_req(rr, NULL, 0));
+      for (size_t i = 0; i < count; i++)
+        if (rb[i] != (float)(from * 7 + round) + (float)(i % 1000)) {
+          EXPECT(0, "rank %d registered recv from %d round %d: [%zu] = %g", me, from, round, i,
+                 rb[i]);
+          break;
+        }
+    }
+    free(rb);
+  }
+  ib_sent_bytes(c, &zc1, &ring1);
+  /* ranks 1 and 3 send to the other simulated host from the buffer (1 -> 2, 3 -> 0) */
+  int crosses = c->host_of[(me + 1) % n] != c->host_of[me];
+  if (strcmp(remote, "verbs") == 0 && crosses)
+    EXPECT(zc1 - zc0 >= 2 * count * sizeof(float), "rank %d: only %llu bytes went zero-copy",
+           me, (unsigned long long)(zc1 - zc0));
+  if (strcmp(remote, "verbs") != 0)
+    EXPECT(zc1 == 0, "rank %d: %llu zero-copy bytes without verbs", me, (unsigned long long)zc1);
+  printf("rank %d: %llu bytes zero-copy, %llu through the rings\n", me,
+         (unsigned long long)(zc1 - zc0), (unsigned long long)(ring1 - ring0));
+  fflush(stdout);
+  OK(chorus_comm_deregister(c, h2));
+  OK(chorus_comm_deregister(c, h));
+  EXPECT(chorus_comm_deregister(c, h) == CHORUS_ERR_INVALID &&
+             strstr(chorus_comm_error(NULL), "not a registration"),
+         "rank %d: a third deregistration of two was accepted", me);
+  EXPECT(chorus_comm_register(c, NULL, 8, &h3) == CHORUS_ERR_INVALID && h3 == NULL &&
+             strstr(chorus_comm_error(NULL), "buffer is NULL"),
+         "rank %d: registering NULL was accepted", me);
+  EXPECT(c->regs == NULL, "rank %d: registrations left after deregistering all", me);
+  /* unregistered now: the same sends go through the rings */
+  OK(chorus_ibroadcast(c, buf, count, CHORUS_FLOAT32, 0, &req));
+  OK(run_req(req, NULL, 0));
+  uint64_t zc2, ring2;
+  ib_sent_bytes(c, &zc2, &ring2);
+  EXPECT(zc2 == zc1, "rank %d: %llu bytes zero-copy from a deregistered buffer", me,
+         (unsigned long long)(zc2 - zc1));
+  /* left registered: destroy releases it */
+  OK(chorus_comm_register(c, buf, 4096, &h3));
+  free(buf);
+}
+
 /* What each rank reaches its peers with: every peer on the other simulated host by verbs,
  * on the NICs CHORUS_IB_HCA allows (env TEST_NICS: the names expected, comma-joined); with
  * several QPs and NICs, a connection's QPs use different NICs. */
@@ -392,6 +485,7 @@ static int rank_main(int rank, int n, int port, enum mode mode, const char *remo
     printf("rank %d failed as expected: %s\n", rank, err);
   } else {
     check_collectives(c, n);
+    check_registered(c, n, remote);
   }
   chorus_comm_destroy(c);
   if (bs.release) bs.release(bs.ctx);
@@ -446,6 +540,11 @@ int main(void) {
     setenv("CHORUS_IB_HCA", "^=fake0,fake2", 1);
     setenv("TEST_NICS", "fake1", 1);
     bad += run_world("4 ranks, 2 hosts, IB, 1 QP", 4, PLAIN, "verbs");
+    /* rings of 4 MiB: collectives' messages reach write_direct's 64 KiB too, so sends from
+     * registered buffers interleave with reductions into them (ring all-reduce in place) */
+    setenv("CHORUS_BUFFSIZE", "4M", 1);
+    bad += run_world("4 ranks, 2 hosts, IB, 1 QP, 4 MiB rings", 4, PLAIN, "verbs");
+    setenv("CHORUS_BUFFSIZE", "64K", 1);
     unsetenv("CHORUS_IB_HCA");
     setenv("FAKEVERBS_DEVICES", "fake0/roce,fake1/roce", 1);
     setenv("CHORUS_IB_QPS_PER_CONNECTION", "2", 1);

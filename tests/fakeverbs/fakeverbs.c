@@ -16,7 +16,11 @@
  * FAKEVERBS_FAIL_AFTER=N (after N successful send completions in this process, the next send
  * fails with FAKEVERBS_FAIL_STATUS, default 12 = RETRY_EXC_ERR, vendor error 0x81),
  * FAKEVERBS_QP_ERROR=N (the (N+1)-th send posted in this process finds its QP in the error
- * state: it and everything outstanding complete with WR_FLUSH_ERR). */
+ * state: it and everything outstanding complete with WR_FLUSH_ERR).
+ *
+ * Stricter than hardware, to catch a poster that reuses memory too early: a send's source
+ * bytes are compared at its ack with what was sent, and a send whose source changed before
+ * its completion fails with LOC_PROT_ERR (vendor error 0xc4a9) and a line on stderr. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -126,7 +130,16 @@ struct fake_cq {
   int overflow;
 };
 
-struct pending { uint64_t wr_id; uint64_t seq; int signaled; };
+/* An outstanding send; copy holds the bytes it sent from src (one scatter entry), which must
+ * not change before the send completes (checked at the ack). */
+struct pending {
+  uint64_t wr_id;
+  uint64_t seq;
+  int signaled;
+  uint8_t *copy;
+  const uint8_t *src;
+  uint32_t len;
+};
 
 struct fake_qp {
   struct cv_qp base;
@@ -182,6 +195,7 @@ static void cq_push(struct fake_cq *cq, const struct cv_wc *wc) {
 }
 
 static void complete_send(struct fake_qp *qp, const struct pending *p, int status, uint32_t vendor) {
+  free(p->copy); /* every pending send leaves the queue through here once */
   if (status == CV_WC_SUCCESS && !p->signaled) return;
   struct cv_wc wc;
   memset(&wc, 0, sizeof wc);
@@ -222,6 +236,14 @@ static void ack_oldest(struct fake_qp *qp, int status, uint32_t vendor) {
     struct pending p = qp->sendq[qp->sq_head];
     qp->sq_head = (qp->sq_head + 1) % (int)qp->cap.max_send_wr;
     qp->sq_count--;
+    if (status == CV_WC_SUCCESS && p.copy && memcmp(p.copy, p.src, p.len) != 0) {
+      /* the poster rewrote the source before the completion: a NIC could have sent either */
+      fprintf(stderr, "fakeverbs: QP 0x%x: the %u source bytes at %p of send %llu changed "
+              "before its completion\n", qp->base.qp_num, p.len, (const void *)p.src,
+              (unsigned long long)p.wr_id);
+      status = CV_WC_LOC_PROT_ERR;
+      vendor = 0xc4a9;
+    }
     complete_send(qp, &p, status, vendor);
     if (status == CV_WC_SUCCESS) atomic_fetch_add(&ok_sends, 1);
     else qp_to_error(qp);
@@ -621,6 +643,8 @@ EXPORT int ibv_destroy_qp(struct cv_qp *bqp) {
   close(qp->listen_fd);
   if (qp->out_fd >= 0) close(qp->out_fd);
   for (int i = 0; i < qp->nin; i++) close(qp->in_fd[i]);
+  for (int i = 0; i < qp->sq_count; i++) /* never completed */
+    free(qp->sendq[(qp->sq_head + i) % (int)qp->cap.max_send_wr].copy);
   atomic_fetch_sub(&qp->pd->refs, 1);
   pthread_mutex_destroy(&qp->mu);
   pthread_mutex_destroy(&qp->send_mu);
@@ -728,7 +752,8 @@ static int fake_post_send(struct cv_qp *bqp, struct cv_send_wr *wr, struct cv_se
       *bad = wr;
       return ENOMEM;
     }
-    struct pending p = {wr->wr_id, qp->next_seq++, (wr->send_flags & CV_SEND_SIGNALED) != 0};
+    struct pending p = {wr->wr_id, qp->next_seq++, (wr->send_flags & CV_SEND_SIGNALED) != 0,
+                        NULL, NULL, 0};
     long nposted = atomic_fetch_add(&posted_sends, 1);
     if (qp_error_after >= 0 && nposted >= qp_error_after && state != CV_QPS_ERR) {
       qp_error_after = -1; /* once */
@@ -771,6 +796,11 @@ static int fake_post_send(struct cv_qp *bqp, struct cv_send_wr *wr, struct cv_se
       for (int i = 0; i < wr->num_sge; i++) {
         memcpy(msg + off, (void *)(uintptr_t)wr->sg_list[i].addr, wr->sg_list[i].length);
         off += wr->sg_list[i].length;
+      }
+      if (wr->num_sge == 1 && total && (p.copy = malloc(total)) != NULL) {
+        memcpy(p.copy, msg + sizeof(struct wire_hdr), total);
+        p.src = (const uint8_t *)(uintptr_t)wr->sg_list[0].addr;
+        p.len = (uint32_t)total;
       }
     }
     pthread_mutex_unlock(&mr_mu);

@@ -6,7 +6,11 @@ usage: verbs_job.py --out DIR --mode coll|fault|plain
          computes from every rank's deterministic input (outputs poisoned first)
   fault  all-reduces until the injected completion error (FAKEVERBS_FAIL_AFTER on rank 0);
          records the exception text and how long the failure took
-  plain  one checked all_reduce (for runs where verbs must be unavailable)
+  plain  one checked all_reduce on a registered tensor (for runs where verbs must be
+         unavailable: registering succeeds and does nothing)
+  register  all_reduce, broadcast, all_gather and a ring of sends on a tensor registered with
+         chorus.register (rewritten as soon as each op returns), then the same unregistered;
+         bad registrations must raise
 Writes <out>/rank<r>.json: {"checks": n, "failures": [...], "error": text, "seconds": s}.
 """
 import argparse
@@ -139,10 +143,59 @@ def run_collectives(ck):
     dist.barrier()
 
 
+def run_registered(ck):
+    import chorus
+    n = 300000  # 1.2 MB of float32: many times the 64 KiB rings
+    buf = torch.zeros(2 * n)
+    reg = chorus.register(buf)
+    with chorus.register(buf[n // 2:n]) as inner:  # inside the first: shared, closed early
+        assert not inner.closed
+    assert inner.closed and not reg.closed
+    t = buf[:n]  # a view: the registration covers the whole storage
+    for rnd in range(3):
+        t.copy_(data(RANK, 50 + rnd, n, torch.float32))
+        dist.all_reduce(t)
+        ck.same(f"registered all_reduce {rnd}", t,
+                sum(data(r, 50 + rnd, n, torch.float32) for r in range(WORLD)))
+        root = rnd % WORLD
+        t.copy_(data(RANK, 60 + rnd, n, torch.float32))  # rewritten at once after the op
+        dist.broadcast(t, src=root)
+        ck.same(f"registered broadcast {rnd}", t, data(root, 60 + rnd, n, torch.float32))
+        small = buf[n:n + 5000]
+        small.copy_(data(RANK, 70 + rnd, 5000, torch.float32))
+        out = torch.empty(WORLD * 5000)
+        dist.all_gather_into_tensor(out, small)
+        ck.same(f"registered all_gather {rnd}", out,
+                torch.cat([data(r, 70 + rnd, 5000, torch.float32) for r in range(WORLD)]))
+        to, frm = (RANK + 1) % WORLD, (RANK - 1) % WORLD
+        t.copy_(data(RANK, 80 + rnd, n, torch.float32))
+        got = torch.empty(n)
+        reqs = [dist.isend(t, to), dist.irecv(got, frm)]
+        reqs[0].wait()
+        t.fill_(float("nan"))  # the send completed: the buffer is the caller's again
+        reqs[1].wait()
+        ck.same(f"registered send/recv {rnd}", got, data(frm, 80 + rnd, n, torch.float32))
+    reg.close()
+    reg.close()  # twice: nothing
+    plain = data(RANK, 90, n, torch.float32)
+    dist.all_reduce(plain)
+    ck.same("unregistered all_reduce", plain,
+            sum(data(r, 90, n, torch.float32) for r in range(WORLD)))
+    for bad, what in ((torch.zeros(4).to_sparse(), "dense"), (torch.empty(0), "no memory")):
+        try:
+            chorus.register(bad)
+            ck.failures.append(f"registering a {what} tensor did not raise")
+        except RuntimeError as e:
+            if what not in str(e):
+                ck.failures.append(f"registering a {what} tensor: {e}")
+        ck.checks += 1
+    chorus.register(torch.ones(1000))  # left open: destroy releases it
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--mode", required=True, choices=["coll", "fault", "plain"])
+    ap.add_argument("--mode", required=True, choices=["coll", "fault", "plain", "register"])
     args = ap.parse_args()
     if args.mode == "fault" and RANK == 0:
         os.environ["FAKEVERBS_FAIL_AFTER"] = os.environ.get("VERBS_FAIL_AFTER", "40")
@@ -151,9 +204,13 @@ def main():
     ck = Checker()
     if args.mode == "coll":
         run_collectives(ck)
+    elif args.mode == "register":
+        run_registered(ck)
     elif args.mode == "plain":
+        import chorus
         t = data(RANK, 1, 1000, torch.float32)
-        dist.all_reduce(t)
+        with chorus.register(t):  # no verbs here: registering does nothing, and succeeds
+            dist.all_reduce(t)
         ck.same("all_reduce", t, sum(data(r, 1, 1000, torch.float32) for r in range(WORLD)))
     else:
         t0 = time.monotonic()

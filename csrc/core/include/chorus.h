@@ -108,6 +108,21 @@ chorus_result_t chorus_comm_abort(chorus_comm_t *comm);
 chorus_result_t chorus_comm_split(chorus_comm_t *comm, int color, int key,
                                   const chorus_comm_options_t *opts, chorus_comm_t **newcomm);
 
+/* Registers bytes of host memory at ptr with the communicator's network transports, so
+ * that sends from inside it skip the copy into the transport's buffers where one can (over
+ * InfiniBand/RoCE the NIC reads the bytes straight from this memory; TCP and shared memory
+ * copy either way). Registering pins the pages (the locked-memory limit applies) and is not
+ * cheap: register buffers that are used many times, such as gradient buckets. Ranges are
+ * rounded out to pages; registering a range inside an existing registration shares it.
+ * The memory must stay allocated, at the same address, until chorus_comm_deregister(handle):
+ * a buffer freed and reallocated while registered would be sent from its old pages.
+ * Deregistering while an operation still sends from the buffer is safe (the pages stay
+ * pinned until that send completes). Registrations still held at destroy are released.
+ * Succeeds (a valid handle, nothing pinned) where no transport of comm uses it. */
+chorus_result_t chorus_comm_register(chorus_comm_t *comm, const void *ptr, size_t bytes,
+                                     void **handle);
+chorus_result_t chorus_comm_deregister(chorus_comm_t *comm, void *handle);
+
 int chorus_comm_rank(const chorus_comm_t *comm);
 int chorus_comm_size(const chorus_comm_t *comm);
 /* Number of collectives issued so far (the next one gets this sequence number). */

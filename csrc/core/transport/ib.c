@@ -35,6 +35,7 @@
 #define RECV_DEPTH 64            /* receives posted per QP; chunks in flight per connection */
 #define SEND_DEPTH 128           /* send work requests per QP */
 #define CQ_DEPTH (SEND_DEPTH + RECV_DEPTH + 16)
+#define CHUNK_LOG (IB_MAX_QPS * SEND_DEPTH) /* data chunks that may await completion */
 #define CHUNK_MAX ((size_t)512 << 10)
 #define RING_MIN ((size_t)64 << 10)
 #define RING_MAX ((size_t)1 << 30)
@@ -75,6 +76,13 @@ struct ib_state {
   int next_nic;                 /* round-robin start of the next connection */
   int aborted;
   int nconns;
+  _Atomic uint64_t zc_bytes;    /* sent straight from registered buffers */
+  _Atomic uint64_t ring_bytes;  /* sent from the rings */
+};
+
+/* A registered buffer's memory regions (struct chorus_reg's ib), one per opened device. */
+struct ib_mrs {
+  struct cv_mr *mr[IB_MAX_NICS];
 };
 
 struct cts_rec {
@@ -93,6 +101,7 @@ struct ib_q {
   int nic;
   int sends;                    /* send work requests not yet completed */
   uint32_t peer_rkey;           /* the peer's ring MR on the peer's NIC of this QP */
+  uint64_t data_done;           /* data chunks of this QP completed (in order, RC) */
   uint32_t arrived[RECV_DEPTH + 1]; /* chunk lengths received, not yet in the stream */
   unsigned arr_head, arr_tail;
 };
@@ -109,8 +118,16 @@ struct ib_conn {
                                  * then its failure notice */
   struct cts_rec *cts_src;      /* the record we write to the peer, then our failure notice */
   uint64_t peer_rx, peer_fifo;  /* the peer's addresses */
-  /* sending */
-  uint64_t tx_tail, tx_posted, tx_acked, chunks_sent, peer_reposted, cts_seen;
+  /* sending: stream positions committed (tx_tail), posted to the NIC, consumed by the peer
+   * (tx_acked) and completed here (tx_done: the NIC no longer reads them) */
+  uint64_t tx_tail, tx_posted, tx_acked, tx_done, chunks_sent, chunks_done, peer_reposted,
+      cts_seen;
+  uint64_t chunk_end[CHUNK_LOG];  /* stream end of chunk k at k % CHUNK_LOG */
+  /* a direct run (write_direct from a registered buffer): d_len bytes of d_src from stream
+   * position d_pos, d_posted of them posted, d_reported handed back as written */
+  struct chorus_reg *d_reg;
+  const uint8_t *d_src;
+  uint64_t d_pos, d_len, d_posted, d_reported;
   /* receiving */
   uint64_t rx_head, rx_tail, chunks_rcvd, reposted, cts_seq, cts_consumed, cts_reposted;
   int cts_inflight;
@@ -428,8 +445,54 @@ static chorus_result_t post_data(struct ib_conn *c, int *progressed) {
     int rc = ib_post_send(q->qp, &wr, &bad);
     if (rc) return post_failed(c, qi, rc, "a data chunk");
     q->sends++;
+    c->chunk_end[c->chunks_sent % CHUNK_LOG] = c->tx_posted + len;
     c->chunks_sent++;
     c->tx_posted += len;
+    atomic_fetch_add_explicit(&c->base.comm->ib->ring_bytes, len, memory_order_relaxed);
+    *progressed = 1;
+  }
+  return CHORUS_SUCCESS;
+}
+
+/* Posts the direct run's next chunks straight from the registered buffer, while the
+ * receiver's ring (tx_acked: what it consumed) and receive queues have room. */
+static chorus_result_t post_direct(struct ib_conn *c, int *progressed) {
+  size_t chunk = c->size / 4 < CHUNK_MAX ? c->size / 4 : CHUNK_MAX;
+  const struct ib_mrs *m = c->d_reg->ib;
+  struct ib_state *st = c->base.comm->ib;
+  while (c->d_posted < c->d_len) {
+    if (c->chunks_sent - c->peer_reposted >= RECV_DEPTH) break;
+    size_t room = c->size - (size_t)(c->tx_posted - c->tx_acked);
+    if (room == 0) break;
+    int qi = (int)(c->chunks_sent % (uint64_t)c->nqp);
+    struct ib_q *q = &c->q[qi];
+    if (q->sends >= SEND_DEPTH - 1) break; /* one slot kept for credits on QP 0 */
+    size_t idx = (size_t)(c->tx_posted % c->size);
+    size_t len = (size_t)(c->d_len - c->d_posted);
+    if (len > chunk) len = chunk;
+    if (len > c->size - idx) len = c->size - idx;
+    if (len > room) len = room;
+    struct cv_sge sge = {(uint64_t)(uintptr_t)(c->d_src + c->d_posted), (uint32_t)len,
+                         m->mr[st->nic[q->nic].dev_index]->lkey};
+    struct cv_send_wr wr, *bad = NULL;
+    memset(&wr, 0, sizeof wr);
+    wr.wr_id = WRID(WR_DATA, qi, c->chunks_sent);
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = CV_WR_RDMA_WRITE_WITH_IMM;
+    wr.send_flags = CV_SEND_SIGNALED;
+    wr.imm_data = htonl((uint32_t)len);
+    wr.wr.rdma.remote_addr = c->peer_rx + idx;
+    wr.wr.rdma.rkey = q->peer_rkey;
+    int rc = ib_post_send(q->qp, &wr, &bad);
+    if (rc) return post_failed(c, qi, rc, "a data chunk from a registered buffer");
+    q->sends++;
+    c->chunk_end[c->chunks_sent % CHUNK_LOG] = c->tx_posted + len;
+    c->chunks_sent++;
+    c->tx_posted += len;
+    c->tx_tail += len;
+    c->d_posted += len;
+    atomic_fetch_add_explicit(&st->zc_bytes, len, memory_order_relaxed);
     *progressed = 1;
   }
   return CHORUS_SUCCESS;
@@ -542,6 +605,7 @@ static chorus_result_t poll_cqs(struct ib_conn *c, int *progressed) {
           CHECK(completion_failed(c, qi, &wc[i], kind));
           continue;
         }
+        if (kind == WR_DATA) q->data_done++;
         if (kind == WR_RECV) {
           if (!(wc[i].wc_flags & CV_WC_WITH_IMM)) continue;
           unsigned next = (q->arr_tail + 1) % (RECV_DEPTH + 1);
@@ -560,6 +624,17 @@ static chorus_result_t poll_cqs(struct ib_conn *c, int *progressed) {
       }
       if (n < 16) break;
     }
+  }
+  /* Completed prefix of the chunks sent: chunk k went on QP k % nqp as that QP's
+   * (k / nqp)-th, so the first chunk not yet completed is the least data_done * nqp + q. */
+  uint64_t first = c->chunks_sent;
+  for (int qi = 0; qi < c->nqp; qi++) {
+    uint64_t k = c->q[qi].data_done * (uint64_t)c->nqp + (uint64_t)qi;
+    if (k < first) first = k;
+  }
+  if (first > c->chunks_done) {
+    c->chunks_done = first;
+    c->tx_done = c->chunk_end[(first - 1) % CHUNK_LOG];
   }
   /* Chunks join the stream in the order they were sent: chunk k came on QP k % nqp. */
   for (;;) {
@@ -636,9 +711,11 @@ static chorus_result_t ib_progress(conn_t *bc, int *progressed) {
   CHECK(poll_cqs(c, &moved));
   read_fifo(c, &moved);
   CHECK(post_data(c, &moved));
+  if (c->d_reg) CHECK(post_direct(c, &moved));
   CHECK(post_cts(c, &moved));
   if (moved && progressed) *progressed = 1;
-  int waiting = (c->starving && c->rx_head == c->rx_tail) || c->tx_posted < c->tx_tail;
+  int waiting = (c->starving && c->rx_head == c->rx_tail) || c->tx_posted < c->tx_tail ||
+                (c->d_reg && c->tx_done < c->d_pos + c->d_len);
   if (c->peer_failed) {
     /* fail at the collective the peer failed at; or earlier, when this rank waits on the
      * peer and nothing has come for a while: bytes the peer committed before it failed may
@@ -655,19 +732,26 @@ static chorus_result_t ib_progress(conn_t *bc, int *progressed) {
   return CHORUS_SUCCESS;
 }
 
+/* Bytes of the local ring still in use: until the peer consumed them (its ring holds them
+ * until then) and the NIC completed them (it may read the local copy until then). */
+static size_t tx_used(const struct ib_conn *c) {
+  uint64_t freed = c->tx_acked < c->tx_done ? c->tx_acked : c->tx_done;
+  return (size_t)(c->tx_tail - freed);
+}
+
 static chorus_result_t ib_reserve(conn_t *bc, void **ptr, size_t *len) {
   struct ib_conn *c = (struct ib_conn *)bc;
-  size_t used = (size_t)(c->tx_tail - c->tx_acked);
+  size_t used = tx_used(c);
   size_t idx = (size_t)(c->tx_tail % c->size);
   size_t space = c->size - used, contig = c->size - idx;
   *ptr = c->tx + idx;
-  *len = space < contig ? space : contig;
+  *len = c->d_reg ? 0 : space < contig ? space : contig; /* a direct run goes first */
   return c->err;
 }
 
 static chorus_result_t ib_commit(conn_t *bc, size_t len) {
   struct ib_conn *c = (struct ib_conn *)bc;
-  size_t used = (size_t)(c->tx_tail - c->tx_acked);
+  size_t used = c->d_reg ? c->size : tx_used(c);
   size_t idx = (size_t)(c->tx_tail % c->size);
   if (len > c->size - used || len > c->size - idx)
     return comm_set_error(bc->comm, CHORUS_ERR_INTERNAL, "rank %d peer %d: verbs commit of %zu "
@@ -705,11 +789,13 @@ static chorus_result_t ib_consume(conn_t *bc, size_t len) {
  * the engine to keep progressing while bytes or credits still have to go out. */
 static int ib_pollfd(conn_t *bc, struct pollfd *pfd) {
   struct ib_conn *c = (struct ib_conn *)bc;
-  if (c->err) return 0;
+  if (c->err || c->broken) return 0; /* nothing more will reach the peer */
   pfd->fd = -1;
   pfd->events = 0;
   pfd->revents = 0;
-  if (c->tx_posted < c->tx_tail || c->rx_head != c->cts_consumed || c->reposted != c->cts_reposted)
+  /* posted chunks count until they complete: a QP destroyed before may drop them */
+  if (c->tx_posted < c->tx_tail || c->chunks_done < c->chunks_sent ||
+      c->rx_head != c->cts_consumed || c->reposted != c->cts_reposted || c->d_reg)
     pfd->events = POLLOUT;
   return 1;
 }
@@ -724,6 +810,9 @@ static void conn_free(struct ib_conn *c) {
       if (c->q[i].cq && api->destroy_cq(c->q[i].cq) != 0)
         TRACE(SUB_NET, comm->rank, "verbs: destroying a CQ failed");
     }
+    /* the QPs are gone: nothing reads a registered buffer any more */
+    reg_put(comm, c->d_reg);
+    c->d_reg = NULL;
     for (int i = 0; i < IB_MAX_NICS; i++) {
       if (c->rmr[i] && api->dereg_mr(c->rmr[i]) != 0)
         TRACE(SUB_NET, comm->rank, "verbs: deregistering a ring failed");
@@ -737,6 +826,59 @@ static void conn_free(struct ib_conn *c) {
 
 static void ib_close(conn_t *bc) { conn_free((struct ib_conn *)bc); }
 
+/* Big payloads: from a registered buffer (chorus_comm_register) the NIC reads the bytes
+ * itself, after what the ring still holds; *wrote counts only bytes whose writes have
+ * completed, so the caller may reuse them. Anything else is copied through the ring. */
+static chorus_result_t ib_write_direct(conn_t *bc, const void *src, size_t n, size_t *wrote,
+                                       int *progressed) {
+  struct ib_conn *c = (struct ib_conn *)bc;
+  struct chorus_comm *comm = bc->comm;
+  int moved = 0;
+  *wrote = 0;
+  if (c->err) return c->err;
+  if (!c->d_reg) {
+    CHECK(post_data(c, &moved)); /* the ring's bytes come first in the stream */
+    if (c->tx_posted < c->tx_tail) goto out;
+    struct chorus_reg *r = reg_find(comm, src, n);
+    if (!r || !r->ib) {
+      reg_put(comm, r);
+      while (*wrote < n) { /* not registered: through the ring */
+        void *p;
+        size_t avail;
+        CHECK(ib_reserve(bc, &p, &avail));
+        if (avail == 0) break;
+        size_t k = n - *wrote < avail ? n - *wrote : avail;
+        memcpy(p, (const uint8_t *)src + *wrote, k);
+        CHECK(ib_commit(bc, k));
+        *wrote += k;
+        moved = 1;
+      }
+      goto out;
+    }
+    c->d_reg = r;
+    c->d_src = src;
+    c->d_pos = c->tx_tail;
+    c->d_len = n;
+    c->d_posted = c->d_reported = 0;
+  } else if ((const uint8_t *)src != c->d_src + c->d_reported || n != c->d_len - c->d_reported) {
+    return comm_set_error(comm, CHORUS_ERR_INTERNAL, "rank %d peer %d: a verbs send from a "
+                          "registered buffer was resumed at another buffer", comm->rank, bc->peer);
+  }
+  CHECK(post_direct(c, &moved));
+  CHECK(poll_cqs(c, &moved));
+  uint64_t done = c->tx_done > c->d_pos ? c->tx_done - c->d_pos : 0;
+  if (done > c->d_len) done = c->d_len;
+  *wrote = (size_t)(done - c->d_reported);
+  c->d_reported = done;
+  if (done == c->d_len) { /* the NIC is done with the buffer */
+    reg_put(comm, c->d_reg);
+    c->d_reg = NULL;
+  }
+out:
+  if (moved || *wrote) *progressed = 1;
+  return CHORUS_SUCCESS;
+}
+
 static const struct transport_ops ib_ops = {
     .name = "verbs",
     .reserve = ib_reserve,
@@ -746,7 +888,7 @@ static const struct transport_ops ib_ops = {
     .progress = ib_progress,
     .pollfd = ib_pollfd,
     .close = ib_close,
-    .write_direct = NULL,
+    .write_direct = ib_write_direct,
     .read_direct = NULL,
 };
 
@@ -1142,9 +1284,64 @@ void ib_abort_conns(struct chorus_comm *comm) {
        pending ? " (some writes still in flight)" : "");
 }
 
+/* ------------------------------------------------------------ registered buffers */
+static const char *ctx_name(const struct ib_state *st, int dev) {
+  for (int i = 0; i < st->nnics; i++)
+    if (st->nic[i].dev_index == dev) return st->nic[i].name;
+  return "?";
+}
+
+chorus_result_t ib_reg_create(struct chorus_comm *comm, struct chorus_reg *r) {
+  struct ib_state *st = comm->ib;
+  if (!st || st->nctx == 0 || st->nconns == 0) return CHORUS_SUCCESS; /* verbs not in use */
+  struct ib_mrs *m = calloc(1, sizeof *m);
+  if (!m) return comm_set_error(NULL, CHORUS_ERR_NOMEM, "register: rank %d: out of memory",
+                                comm->rank);
+  size_t len = (size_t)(r->end - r->start);
+  for (int i = 0; i < st->nctx; i++) {
+    /* the NIC only reads it (the source of RDMA writes): no access flags needed */
+    m->mr[i] = st->api->reg_mr(st->pd[i], (void *)r->start, len, 0);
+    if (!m->mr[i]) {
+      int e = errno;
+      for (int j = 0; j < i; j++)
+        if (st->api->dereg_mr(m->mr[j]) != 0)
+          TRACE(SUB_NET, comm->rank, "verbs: deregistering a buffer failed");
+      free(m);
+      return comm_set_error(NULL, CHORUS_ERR_SYSTEM, "register: rank %d: ibv_reg_mr of %zu "
+                            "bytes at %p on %s failed: %s (locked-memory limit? ulimit -l)",
+                            comm->rank, len, (void *)r->start, ctx_name(st, i), strerror(e));
+    }
+  }
+  r->ib = m;
+  TRACE(SUB_NET, comm->rank, "verbs: registered %zu bytes at %p on %d device%s", len,
+        (void *)r->start, st->nctx, st->nctx == 1 ? "" : "s");
+  return CHORUS_SUCCESS;
+}
+
+void ib_reg_release(struct chorus_comm *comm, struct chorus_reg *r) {
+  struct ib_mrs *m = r->ib;
+  r->ib = NULL;
+  if (!m) return;
+  for (int i = 0; i < IB_MAX_NICS; i++)
+    if (m->mr[i] && comm->ib && comm->ib->api->dereg_mr(m->mr[i]) != 0)
+      TRACE(SUB_NET, comm->rank, "verbs: deregistering a buffer failed");
+  free(m);
+}
+
+/* For tests: bytes sent over verbs straight from registered buffers and from the rings. */
+void ib_sent_bytes(const struct chorus_comm *comm, uint64_t *zero_copy, uint64_t *ring) {
+  *zero_copy = comm->ib ? atomic_load(&comm->ib->zc_bytes) : 0;
+  *ring = comm->ib ? atomic_load(&comm->ib->ring_bytes) : 0;
+}
+
 void ib_teardown(struct chorus_comm *comm) {
   struct ib_state *st = comm ? comm->ib : NULL;
   if (!st) return;
+  if (st->nconns) {
+    uint64_t zc = atomic_load(&st->zc_bytes), ring = atomic_load(&st->ring_bytes);
+    INFO(SUB_NET, comm->rank, "verbs: sent %llu bytes straight from registered buffers and "
+         "%llu through the rings", (unsigned long long)zc, (unsigned long long)ring);
+  }
   for (int i = 0; i < st->nctx; i++) {
     if (st->pd[i] && st->api->dealloc_pd(st->pd[i]) != 0)
       TRACE(SUB_NET, comm->rank, "verbs: deallocating a protection domain failed");
