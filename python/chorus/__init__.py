@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from . import _C
 from ._C import ProcessGroupChorus
+from . import hooks  # noqa: F401  (chorus.hooks.allreduce_hook, for DDP)
 
 try:
     from importlib.metadata import PackageNotFoundError, version as _dist_version

@@ -11,6 +11,7 @@ usage: verbs_job.py --out DIR --mode coll|fault|plain
   register  all_reduce, broadcast, all_gather and a ring of sends on a tensor registered with
          chorus.register (rewritten as soon as each op returns), then the same unregistered;
          bad registrations must raise
+  ddp    DDP with chorus.hooks.allreduce_hook (buckets registered) against the default hook
 Writes <out>/rank<r>.json: {"checks": n, "failures": [...], "error": text, "seconds": s}.
 """
 import argparse
@@ -192,10 +193,44 @@ def run_registered(ck):
     chorus.register(torch.ones(1000))  # left open: destroy releases it
 
 
+def run_ddp(ck):
+    """DDP with chorus.hooks.allreduce_hook against DDP's own default hook, same seeds: the
+    parameters must come out identical (the same division, then a deterministic sum)."""
+    import chorus
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def train(hooked):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
+                                    torch.nn.Linear(1024, 256))  # 2 MiB of gradients
+        ddp = DDP(model, bucket_cap_mb=1)
+        state = chorus.hooks.RegisteredBuckets() if hooked else None
+        if hooked:
+            ddp.register_comm_hook(state, chorus.hooks.allreduce_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        for step in range(4):
+            g = torch.Generator().manual_seed(100 * step + RANK)
+            loss = ddp(torch.randn(32, 256, generator=g)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()], state
+
+    want, _ = train(False)
+    got, state = train(True)
+    for i, (a, b) in enumerate(zip(got, want)):
+        ck.same(f"ddp parameter {i}", a, b)
+    ck.checks += 1
+    if state.registered < 2:  # 2 MiB in buckets of at most 1 MiB
+        ck.failures.append(f"only {state.registered} bucket registrations")
+    state.close()
+    return {"registered": state.registered, "replaced": state.replaced}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--mode", required=True, choices=["coll", "fault", "plain", "register"])
+    ap.add_argument("--mode", required=True, choices=["coll", "fault", "plain", "register", "ddp"])
     args = ap.parse_args()
     if args.mode == "fault" and RANK == 0:
         os.environ["FAKEVERBS_FAIL_AFTER"] = os.environ.get("VERBS_FAIL_AFTER", "40")
@@ -206,6 +241,8 @@ def main():
         run_collectives(ck)
     elif args.mode == "register":
         run_registered(ck)
+    elif args.mode == "ddp":
+        rec["ddp"] = run_ddp(ck)
     elif args.mode == "plain":
         import chorus
         t = data(RANK, 1, 1000, torch.float32)
