@@ -100,8 +100,9 @@ def test_registered_buffers_are_sent_without_a_copy(fake_lib, tmp_path, config):
     """chorus.register: results stay right (the double fails any send whose source changes
     before its completion, and the worker rewrites each buffer as soon as an op returns), the
     ranks whose ring of sends crosses hosts (1 -> 2, 3 -> 0) send at least those bytes
-    straight from the registered tensor, bad tensors are refused, and a registration left
-    open is released at destroy."""
+    straight from the registered tensor and their receivers (2, 0) take some straight into
+    their registered receive tensor, bad tensors are refused, and a registration left open
+    is released at destroy."""
     res = run_job(f"verbs-register-{config}", WORKER, 4,
                   args=["--out", str(tmp_path), "--mode", "register"],
                   env=verbs_env(fake_lib, **CONFIGS[config]), timeout=180)
@@ -112,11 +113,14 @@ def test_registered_buffers_are_sent_without_a_copy(fake_lib, tmp_path, config):
         assert rec["checks"] == 3 * 4 + 1 + 2, f"rank {r} ran {rec['checks']} checks"
     for r in res.ranks:
         m = re.search(r"verbs: sent (\d+) bytes straight from registered buffers and (\d+) "
-                      r"through the rings", r.output)
+                      r"through the rings, (\d+) of them into the peers' registered buffers; "
+                      r"received (\d+) bytes straight into registered buffers", r.output)
         assert m, f"rank {r.rank}: no verbs summary at destroy:\n{r.output[-3000:]}"
-        zero_copy = int(m.group(1))
+        zero_copy, received = int(m.group(1)), int(m.group(4))
         if r.rank in (1, 3):
             assert zero_copy >= 3 * 300000 * 4, f"rank {r.rank}: {zero_copy} bytes zero-copy"
+        if r.rank in (0, 2):  # 1.2 MB into a registered tensor through 64 KiB rings
+            assert received > 0, f"rank {r.rank}: nothing received into a registered buffer"
         assert "1 buffer registration still held; released" in r.output, r.output[-3000:]
         assert "fakeverbs:" not in r.output, r.output[-3000:]
 

@@ -490,7 +490,7 @@ struct chorus_comm {
   struct ib_state *ib;        /* ib.c: verbs NICs, NULL when not used */
   pthread_mutex_t reg_mu;     /* reg.c: guards regs */
   struct chorus_reg *regs;    /* buffers the caller registered */
-  uint64_t nregs_made;        /* registrations that pinned memory (tests) */
+  _Atomic uint64_t nregs_made; /* registrations made (a new one may cover a destination) */
 
   /* engine */
   pthread_t thread;

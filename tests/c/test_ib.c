@@ -311,6 +311,7 @@ static void check_collectives(chorus_comm_t *c, int n) {
 }
 
 void ib_sent_bytes(const struct chorus_comm *comm, uint64_t *zero_copy, uint64_t *ring);
+uint64_t ib_received_direct_bytes(const struct chorus_comm *comm);
 
 /* Registered buffers (chorus_comm_register): sends from them over verbs go without a copy
  * (remote "verbs": bytes counted as zero-copy on the ranks whose peer across hosts reads
@@ -351,10 +352,14 @@ static void check_registered(chorus_comm_t *c, int n, const char *remote) {
         break;
       }
   }
-  if (n > 1) { /* sends along the ring from the registered buffer, receives elsewhere */
+  uint64_t rz0 = ib_received_direct_bytes(c);
+  if (n > 1) { /* sends along the ring from the registered buffer into a registered one */
     float *rb = malloc(count * sizeof(float));
+    void *hr = NULL;
+    OK(chorus_comm_register(c, rb, count * sizeof(float), &hr));
     int to = (me + 1) % n, from = (me + n - 1) % n;
-    for (int round = 0; round < 2; round++) {
+    for (int round = 0; round < 4; round++) {
+      memset(rb, 0, count * sizeof(float));
       for (size_t i = 0; i < count; i++) buf[i] = (float)(me * 7 + round) + (float)(i % 1000);
       chorus_request_t *rs, *rr;
       OK(chorus_isend(c, buf, count, CHORUS_FLOAT32, to, 9, &rs));
@@ -369,18 +374,32 @@ static void check_registered(chorus_comm_t *c, int n, const char *remote) {
           break;
         }
     }
+    OK(chorus_comm_deregister(c, hr));
     free(rb);
   }
+  uint64_t rz1 = ib_received_direct_bytes(c);
   ib_sent_bytes(c, &zc1, &ring1);
   /* ranks 1 and 3 send to the other simulated host from the buffer (1 -> 2, 3 -> 0) */
   int crosses = c->host_of[(me + 1) % n] != c->host_of[me];
   if (strcmp(remote, "verbs") == 0 && crosses)
-    EXPECT(zc1 - zc0 >= 2 * count * sizeof(float), "rank %d: only %llu bytes went zero-copy",
+    EXPECT(zc1 - zc0 >= 4 * count * sizeof(float), "rank %d: only %llu bytes went zero-copy",
            me, (unsigned long long)(zc1 - zc0));
+  /* ranks 2 and 0 receive from the other host into rb: what the sender has not posted when
+   * the request arrives goes straight into rb. With 64 KiB rings the sender stalls after
+   * 64 KiB of the 1.2 MB; rings bigger than the message take it all before the request. */
+  const char *ring = getenv("CHORUS_BUFFSIZE");
+  if (strcmp(remote, "verbs") == 0 && c->host_of[(me + n - 1) % n] != c->host_of[me] && ring &&
+      strcmp(ring, "64K") == 0)
+    EXPECT(rz1 - rz0 > 0, "rank %d: nothing was received straight into the registered buffer",
+           me);
+  if (strcmp(remote, "verbs") != 0)
+    EXPECT(rz1 == 0, "rank %d: %llu bytes received directly without verbs", me,
+           (unsigned long long)rz1);
   if (strcmp(remote, "verbs") != 0)
     EXPECT(zc1 == 0, "rank %d: %llu zero-copy bytes without verbs", me, (unsigned long long)zc1);
-  printf("rank %d: %llu bytes zero-copy, %llu through the rings\n", me,
-         (unsigned long long)(zc1 - zc0), (unsigned long long)(ring1 - ring0));
+  printf("rank %d: %llu bytes zero-copy, %llu through the rings, %llu received directly\n",
+         me, (unsigned long long)(zc1 - zc0), (unsigned long long)(ring1 - ring0),
+         (unsigned long long)(rz1 - rz0));
   fflush(stdout);
   OK(chorus_comm_deregister(c, h2));
   OK(chorus_comm_deregister(c, h));

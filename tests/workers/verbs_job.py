@@ -153,6 +153,8 @@ def run_registered(ck):
         assert not inner.closed
     assert inner.closed and not reg.closed
     t = buf[:n]  # a view: the registration covers the whole storage
+    got = torch.empty(n)
+    got_reg = chorus.register(got)  # receives land in it without a copy where they can
     for rnd in range(3):
         t.copy_(data(RANK, 50 + rnd, n, torch.float32))
         dist.all_reduce(t)
@@ -170,7 +172,7 @@ def run_registered(ck):
                 torch.cat([data(r, 70 + rnd, 5000, torch.float32) for r in range(WORLD)]))
         to, frm = (RANK + 1) % WORLD, (RANK - 1) % WORLD
         t.copy_(data(RANK, 80 + rnd, n, torch.float32))
-        got = torch.empty(n)
+        got.zero_()
         reqs = [dist.isend(t, to), dist.irecv(got, frm)]
         reqs[0].wait()
         t.fill_(float("nan"))  # the send completed: the buffer is the caller's again
@@ -178,6 +180,7 @@ def run_registered(ck):
         ck.same(f"registered send/recv {rnd}", got, data(frm, 80 + rnd, n, torch.float32))
     reg.close()
     reg.close()  # twice: nothing
+    got_reg.close()
     plain = data(RANK, 90, n, torch.float32)
     dist.all_reduce(plain)
     ck.same("unregistered all_reduce", plain,

@@ -46,9 +46,12 @@
                                       * it gives bytes still in flight before failing */
 #define CTS_MAGIC 0x4348524356425331ull
 #define ABORT_MAGIC 0x41424f5254214221ull /* struct notice: the peer failed */
+#define RDV_MAGIC 0x5244565245515531ull   /* struct rdv_rec */
 #define NOTICE_OFF 256                     /* where the notice lies in the FIFO area */
+#define RDV_OFF 1024                       /* where a receive buffer's record lies in it */
+#define RDV_FLAG 0x80000000u               /* immediate: the chunk landed in that buffer */
 
-enum { WR_DATA = 1, WR_CTS = 2, WR_RECV = 3 };
+enum { WR_DATA = 1, WR_CTS = 2, WR_RECV = 3, WR_RDV = 4 };
 #define WRID(kind, q, n) ((uint64_t)(kind) | ((uint64_t)(q) << 4) | ((uint64_t)(n) << 8))
 
 struct ib_nic {
@@ -78,11 +81,26 @@ struct ib_state {
   int nconns;
   _Atomic uint64_t zc_bytes;    /* sent straight from registered buffers */
   _Atomic uint64_t ring_bytes;  /* sent from the rings */
+  _Atomic uint64_t rdv_bytes;   /* sent straight into the peers' registered buffers */
+  _Atomic uint64_t rz_bytes;    /* received straight into registered buffers */
 };
 
-/* A registered buffer's memory regions (struct chorus_reg's ib), one per opened device. */
+/* A registered buffer's memory regions (struct chorus_reg's ib), one per opened device;
+ * writable: registered for remote writes too (it can receive without a copy). */
 struct ib_mrs {
   struct cv_mr *mr[IB_MAX_NICS];
+  int writable;
+};
+
+/* A receiver's request, written into the sender's FIFO area at RDV_OFF: stream bytes
+ * [pos, pos + len) belong at addr + (byte - pos) (rkey per QP of the connection). The sender
+ * acts on it once, when it reads it: bytes it already posted went to the ring; from its next
+ * byte to the end of the range every chunk goes to addr instead, flagged RDV_FLAG. A request
+ * read after the sender passed the range's end changes nothing. */
+struct rdv_rec {
+  uint64_t seq, pos, addr, len;
+  uint32_t rkey[IB_MAX_QPS];
+  uint64_t check;
 };
 
 struct cts_rec {
@@ -128,6 +146,20 @@ struct ib_conn {
   struct chorus_reg *d_reg;
   const uint8_t *d_src;
   uint64_t d_pos, d_len, d_posted, d_reported;
+  /* the receive buffer the peer asked us to write into (struct rdv_rec), while active */
+  uint64_t rdv_seen, rdv_pos, rdv_addr, rdv_len;
+  uint32_t rdv_rkey[IB_MAX_QPS];
+  int rdv_active;
+  /* a direct receive (read_direct into a registered buffer): stream bytes [r_pos, r_pos +
+   * r_len) were requested into r_dst; from r_x on (once r_started) they land there, r_landed
+   * so far; bytes before r_x came through the ring */
+  struct chorus_reg *r_reg;
+  uint8_t *r_dst;
+  uint64_t r_pos, r_len, r_x, r_landed, rdv_seq;
+  int r_started;
+  int rdv_inflight;             /* our request's RDMA write has not completed */
+  const void *r_nodst;          /* the last destination found unregistered ... */
+  uint64_t r_nodst_gen;         /* ... while the communicator had made this many registrations */
   /* receiving */
   uint64_t rx_head, rx_tail, chunks_rcvd, reposted, cts_seq, cts_consumed, cts_reposted;
   int cts_inflight;
@@ -366,8 +398,9 @@ static chorus_result_t completion_failed(struct ib_conn *c, int qi, const struct
   struct chorus_comm *comm = c->base.comm;
   if (!c->broken) {
     char during[240];
-    const char *what = kind == WR_DATA ? "RDMA write with immediate (data)"
+    const char *what = kind == WR_DATA  ? "RDMA write with immediate (data)"
                        : kind == WR_CTS ? "RDMA write (clear-to-send credit)"
+                       : kind == WR_RDV ? "RDMA write (receive buffer request)"
                                         : "receive of a write with immediate";
     describe_current(comm, during, sizeof during);
     struct ib_nic *n = &comm->ib->nic[c->q[qi].nic];
@@ -419,6 +452,58 @@ static chorus_result_t post_failed(struct ib_conn *c, int qi, int rc, const char
   return conn_fatal(c);
 }
 
+/* Where the chunk starting at stream byte tx_posted goes, for at most `want` bytes: into the
+ * receive buffer the peer published (rdv_*) while tx_posted lies in it (flag RDV_FLAG in the
+ * immediate), else into the peer's ring (never across its end, never beyond the space it
+ * has consumed). Returns the chunk's length, 0 when the ring has no room now. */
+static size_t chunk_dest(struct ib_conn *c, int qi, size_t want, uint64_t *raddr,
+                         uint32_t *rkey, uint32_t *flag) {
+  if (c->rdv_active && c->tx_posted >= c->rdv_pos + c->rdv_len) c->rdv_active = 0;
+  if (c->rdv_active) {
+    uint64_t off = c->tx_posted - c->rdv_pos;
+    if (want > c->rdv_len - off) want = (size_t)(c->rdv_len - off);
+    *raddr = c->rdv_addr + off;
+    *rkey = c->rdv_rkey[qi];
+    *flag = RDV_FLAG;
+    return want;
+  }
+  uint64_t used = c->tx_posted - c->tx_acked;
+  size_t room = used >= c->size ? 0 : c->size - (size_t)used;
+  size_t idx = (size_t)(c->tx_posted % c->size);
+  if (want > c->size - idx) want = c->size - idx;
+  if (want > room) want = room;
+  *raddr = c->peer_rx + idx;
+  *rkey = c->q[qi].peer_rkey;
+  *flag = 0;
+  return want;
+}
+
+/* Posts one data chunk of len bytes from src (lkey) as stream bytes [tx_posted, +len). */
+static chorus_result_t post_chunk(struct ib_conn *c, int qi, const void *src, uint32_t lkey,
+                                  size_t len, uint64_t raddr, uint32_t rkey, uint32_t flag,
+                                  const char *what) {
+  struct ib_q *q = &c->q[qi];
+  struct cv_sge sge = {(uint64_t)(uintptr_t)src, (uint32_t)len, lkey};
+  struct cv_send_wr wr, *bad = NULL;
+  memset(&wr, 0, sizeof wr);
+  wr.wr_id = WRID(WR_DATA, qi, c->chunks_sent);
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  wr.opcode = CV_WR_RDMA_WRITE_WITH_IMM;
+  wr.send_flags = CV_SEND_SIGNALED;
+  wr.imm_data = htonl((uint32_t)len | flag);
+  wr.wr.rdma.remote_addr = raddr;
+  wr.wr.rdma.rkey = rkey;
+  int rc = ib_post_send(q->qp, &wr, &bad);
+  if (rc) return post_failed(c, qi, rc, what);
+  q->sends++;
+  c->chunk_end[c->chunks_sent % CHUNK_LOG] = c->tx_posted + len;
+  c->chunks_sent++;
+  c->tx_posted += len;
+  if (flag) atomic_fetch_add_explicit(&c->base.comm->ib->rdv_bytes, len, memory_order_relaxed);
+  return CHORUS_SUCCESS;
+}
+
 /* Posts committed bytes as chunks while the receiver's ring and receive queues have room. */
 static chorus_result_t post_data(struct ib_conn *c, int *progressed) {
   size_t chunk = c->size / 4 < CHUNK_MAX ? c->size / 4 : CHUNK_MAX;
@@ -430,24 +515,13 @@ static chorus_result_t post_data(struct ib_conn *c, int *progressed) {
     size_t idx = (size_t)(c->tx_posted % c->size);
     size_t len = (size_t)(c->tx_tail - c->tx_posted);
     if (len > chunk) len = chunk;
-    if (len > c->size - idx) len = c->size - idx;
-    struct cv_sge sge = {(uint64_t)(uintptr_t)(c->tx + idx), (uint32_t)len, c->lmr[q->nic]->lkey};
-    struct cv_send_wr wr, *bad = NULL;
-    memset(&wr, 0, sizeof wr);
-    wr.wr_id = WRID(WR_DATA, qi, c->chunks_sent);
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    wr.opcode = CV_WR_RDMA_WRITE_WITH_IMM;
-    wr.send_flags = CV_SEND_SIGNALED;
-    wr.imm_data = htonl((uint32_t)len);
-    wr.wr.rdma.remote_addr = c->peer_rx + idx;
-    wr.wr.rdma.rkey = q->peer_rkey;
-    int rc = ib_post_send(q->qp, &wr, &bad);
-    if (rc) return post_failed(c, qi, rc, "a data chunk");
-    q->sends++;
-    c->chunk_end[c->chunks_sent % CHUNK_LOG] = c->tx_posted + len;
-    c->chunks_sent++;
-    c->tx_posted += len;
+    if (len > c->size - idx) len = c->size - idx; /* the local copy does not wrap either */
+    uint64_t raddr;
+    uint32_t rkey, flag;
+    len = chunk_dest(c, qi, len, &raddr, &rkey, &flag);
+    if (len == 0) break;
+    CHECK(post_chunk(c, qi, c->tx + idx, c->lmr[q->nic]->lkey, len, raddr, rkey, flag,
+                     "a data chunk"));
     atomic_fetch_add_explicit(&c->base.comm->ib->ring_bytes, len, memory_order_relaxed);
     *progressed = 1;
   }
@@ -462,34 +536,17 @@ static chorus_result_t post_direct(struct ib_conn *c, int *progressed) {
   struct ib_state *st = c->base.comm->ib;
   while (c->d_posted < c->d_len) {
     if (c->chunks_sent - c->peer_reposted >= RECV_DEPTH) break;
-    size_t room = c->size - (size_t)(c->tx_posted - c->tx_acked);
-    if (room == 0) break;
     int qi = (int)(c->chunks_sent % (uint64_t)c->nqp);
     struct ib_q *q = &c->q[qi];
     if (q->sends >= SEND_DEPTH - 1) break; /* one slot kept for credits on QP 0 */
-    size_t idx = (size_t)(c->tx_posted % c->size);
     size_t len = (size_t)(c->d_len - c->d_posted);
     if (len > chunk) len = chunk;
-    if (len > c->size - idx) len = c->size - idx;
-    if (len > room) len = room;
-    struct cv_sge sge = {(uint64_t)(uintptr_t)(c->d_src + c->d_posted), (uint32_t)len,
-                         m->mr[st->nic[q->nic].dev_index]->lkey};
-    struct cv_send_wr wr, *bad = NULL;
-    memset(&wr, 0, sizeof wr);
-    wr.wr_id = WRID(WR_DATA, qi, c->chunks_sent);
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    wr.opcode = CV_WR_RDMA_WRITE_WITH_IMM;
-    wr.send_flags = CV_SEND_SIGNALED;
-    wr.imm_data = htonl((uint32_t)len);
-    wr.wr.rdma.remote_addr = c->peer_rx + idx;
-    wr.wr.rdma.rkey = q->peer_rkey;
-    int rc = ib_post_send(q->qp, &wr, &bad);
-    if (rc) return post_failed(c, qi, rc, "a data chunk from a registered buffer");
-    q->sends++;
-    c->chunk_end[c->chunks_sent % CHUNK_LOG] = c->tx_posted + len;
-    c->chunks_sent++;
-    c->tx_posted += len;
+    uint64_t raddr;
+    uint32_t rkey, flag;
+    len = chunk_dest(c, qi, len, &raddr, &rkey, &flag);
+    if (len == 0) break;
+    CHECK(post_chunk(c, qi, c->d_src + c->d_posted, m->mr[st->nic[q->nic].dev_index]->lkey,
+                     len, raddr, rkey, flag, "a data chunk from a registered buffer"));
     c->tx_tail += len;
     c->d_posted += len;
     atomic_fetch_add_explicit(&st->zc_bytes, len, memory_order_relaxed);
@@ -531,6 +588,13 @@ static chorus_result_t post_cts(struct ib_conn *c, int *progressed) {
 
 static uint64_t abort_check(const struct cts_rec *r) { return cts_check(r) ^ ABORT_MAGIC; }
 
+static uint64_t rdv_check(const struct rdv_rec *r) {
+  uint64_t h = (r->seq * 0x9E3779B97F4A7C15ull) ^ (r->pos * 0xC2B2AE3D27D4EB4Full) ^
+               (r->addr * 0x165667B19E3779F9ull) ^ (r->len * 0x27D4EB2F165667C5ull) ^ RDV_MAGIC;
+  for (int q = 0; q < IB_MAX_QPS; q++) h = (h ^ r->rkey[q]) * 0x100000001B3ull;
+  return h;
+}
+
 static uint64_t text_hash(const char *t, size_t n) {
   uint64_t h = 1469598103934665603ull;
   for (size_t i = 0; i < n; i++) h = (h ^ (uint8_t)t[i]) * 1099511628211ull;
@@ -568,6 +632,30 @@ static void read_fifo(struct ib_conn *c, int *progressed) {
       }
     }
   }
+  {
+    const struct rdv_rec *rr = (const struct rdv_rec *)((const uint8_t *)c->fifo + RDV_OFF);
+    struct rdv_rec r;
+    r.seq = __atomic_load_n(&rr->seq, __ATOMIC_ACQUIRE);
+    if (r.seq > c->rdv_seen) {
+      r.pos = __atomic_load_n(&rr->pos, __ATOMIC_ACQUIRE);
+      r.addr = __atomic_load_n(&rr->addr, __ATOMIC_ACQUIRE);
+      r.len = __atomic_load_n(&rr->len, __ATOMIC_ACQUIRE);
+      for (int q = 0; q < IB_MAX_QPS; q++)
+        r.rkey[q] = __atomic_load_n(&rr->rkey[q], __ATOMIC_ACQUIRE);
+      r.check = __atomic_load_n(&rr->check, __ATOMIC_ACQUIRE);
+      if (r.check == rdv_check(&r)) { /* else still landing: read again next time */
+        c->rdv_seen = r.seq;
+        if (!c->rdv_active && c->tx_posted >= r.pos && c->tx_posted - r.pos < r.len) {
+          c->rdv_active = 1;
+          c->rdv_pos = r.pos;
+          c->rdv_addr = r.addr;
+          c->rdv_len = r.len;
+          memcpy(c->rdv_rkey, r.rkey, sizeof c->rdv_rkey);
+          *progressed = 1;
+        }
+      }
+    }
+  }
   for (int s = 0; s < CTS_SLOTS; s++) {
     struct cts_rec r;
     r.seq = __atomic_load_n(&c->fifo[s].seq, __ATOMIC_ACQUIRE);
@@ -599,8 +687,9 @@ static chorus_result_t poll_cqs(struct ib_conn *c, int *progressed) {
       }
       for (int i = 0; i < n; i++) {
         int kind = (int)(wc[i].wr_id & 15);
-        if (kind == WR_DATA || kind == WR_CTS) q->sends--;
+        if (kind == WR_DATA || kind == WR_CTS || kind == WR_RDV) q->sends--;
         if (kind == WR_CTS && (wc[i].wr_id >> 8) != 0) c->cts_inflight = 0;
+        if (kind == WR_RDV) c->rdv_inflight = 0;
         if (wc[i].status != CV_WC_SUCCESS) {
           CHECK(completion_failed(c, qi, &wc[i], kind));
           continue;
@@ -640,8 +729,34 @@ static chorus_result_t poll_cqs(struct ib_conn *c, int *progressed) {
   for (;;) {
     struct ib_q *q = &c->q[c->chunks_rcvd % (uint64_t)c->nqp];
     if (q->arr_head == q->arr_tail) break;
-    uint32_t len = q->arrived[q->arr_head];
+    uint32_t len = q->arrived[q->arr_head] & ~RDV_FLAG;
+    int into_buffer = (q->arrived[q->arr_head] & RDV_FLAG) != 0;
     q->arr_head = (q->arr_head + 1) % (RECV_DEPTH + 1);
+    if (into_buffer) {
+      uint64_t end = c->r_pos + c->r_len;
+      if (!c->r_reg || c->rx_tail < c->r_pos || len > end - c->rx_tail ||
+          (c->r_started && c->rx_tail != c->r_x + c->r_landed)) {
+        snprintf(c->why, sizeof c->why, "rank %d peer %d (verbs): a chunk of %u bytes at "
+                 "stream byte %llu landed in a receive buffer not requested for it",
+                 c->base.comm->rank, c->base.peer, len, (unsigned long long)c->rx_tail);
+        c->broken = 1;
+        return conn_fatal(c);
+      }
+      if (!c->r_started) c->r_started = 1, c->r_x = c->rx_tail;
+      c->r_landed += len;
+      c->rx_tail += len;
+      c->chunks_rcvd++;
+      atomic_fetch_add_explicit(&c->base.comm->ib->rz_bytes, len, memory_order_relaxed);
+      continue;
+    }
+    if (c->r_reg && c->r_started && c->rx_tail < c->r_pos + c->r_len) {
+      snprintf(c->why, sizeof c->why, "rank %d peer %d (verbs): a chunk of %u bytes at stream "
+               "byte %llu came through the ring inside a range the sender was writing into "
+               "the requested buffer", c->base.comm->rank, c->base.peer, len,
+               (unsigned long long)c->rx_tail);
+      c->broken = 1;
+      return conn_fatal(c);
+    }
     if (len > c->size - (size_t)(c->rx_tail - c->rx_head)) {
       snprintf(c->why, sizeof c->why, "rank %d peer %d (verbs): chunk of %u bytes overflows "
                "the receive ring", c->base.comm->rank, c->base.peer, len);
@@ -732,6 +847,13 @@ static chorus_result_t ib_progress(conn_t *bc, int *progressed) {
   return CHORUS_SUCCESS;
 }
 
+/* Ends the direct receive (its range consumed, or the connection closes). */
+static void rdv_end(struct ib_conn *c) {
+  reg_put(c->base.comm, c->r_reg);
+  c->r_reg = NULL;
+  c->r_started = 0;
+}
+
 /* Bytes of the local ring still in use: until the peer consumed them (its ring holds them
  * until then) and the NIC completed them (it may read the local copy until then). */
 static size_t tx_used(const struct ib_conn *c) {
@@ -743,7 +865,9 @@ static chorus_result_t ib_reserve(conn_t *bc, void **ptr, size_t *len) {
   struct ib_conn *c = (struct ib_conn *)bc;
   size_t used = tx_used(c);
   size_t idx = (size_t)(c->tx_tail % c->size);
-  size_t space = c->size - used, contig = c->size - idx;
+  /* bytes that went to a requested buffer count until the peer reports them: used may
+   * exceed the ring for a while */
+  size_t space = used >= c->size ? 0 : c->size - used, contig = c->size - idx;
   *ptr = c->tx + idx;
   *len = c->d_reg ? 0 : space < contig ? space : contig; /* a direct run goes first */
   return c->err;
@@ -753,7 +877,7 @@ static chorus_result_t ib_commit(conn_t *bc, size_t len) {
   struct ib_conn *c = (struct ib_conn *)bc;
   size_t used = c->d_reg ? c->size : tx_used(c);
   size_t idx = (size_t)(c->tx_tail % c->size);
-  if (len > c->size - used || len > c->size - idx)
+  if (used > c->size || len > c->size - used || len > c->size - idx)
     return comm_set_error(bc->comm, CHORUS_ERR_INTERNAL, "rank %d peer %d: verbs commit of %zu "
                           "bytes exceeds the reserved space", bc->comm->rank, bc->peer, len);
   c->tx_tail += len;
@@ -765,6 +889,9 @@ static chorus_result_t ib_commit(conn_t *bc, size_t len) {
 static chorus_result_t ib_peek(conn_t *bc, const void **ptr, size_t *len) {
   struct ib_conn *c = (struct ib_conn *)bc;
   size_t avail = (size_t)(c->rx_tail - c->rx_head);
+  if (c->r_reg && c->r_started) /* from r_x on, the stream is in the requested buffer */
+    avail = c->rx_head >= c->r_x ? 0 : (size_t)((c->rx_tail < c->r_x ? c->rx_tail : c->r_x) -
+                                               c->rx_head);
   size_t idx = (size_t)(c->rx_head % c->size);
   size_t contig = c->size - idx;
   *ptr = c->rx + idx;
@@ -780,6 +907,7 @@ static chorus_result_t ib_consume(conn_t *bc, size_t len) {
                           "bytes exceeds the %llu readable", bc->comm->rank, bc->peer, len,
                           (unsigned long long)(c->rx_tail - c->rx_head));
   c->rx_head += len;
+  if (c->r_reg && c->rx_head >= c->r_pos + c->r_len) rdv_end(c); /* all came by the ring */
   int moved = 0;
   if (c->err) return c->err;
   return post_cts(c, &moved);
@@ -813,6 +941,7 @@ static void conn_free(struct ib_conn *c) {
     /* the QPs are gone: nothing reads a registered buffer any more */
     reg_put(comm, c->d_reg);
     c->d_reg = NULL;
+    rdv_end(c);
     for (int i = 0; i < IB_MAX_NICS; i++) {
       if (c->rmr[i] && api->dereg_mr(c->rmr[i]) != 0)
         TRACE(SUB_NET, comm->rank, "verbs: deregistering a ring failed");
@@ -879,6 +1008,88 @@ out:
   return CHORUS_SUCCESS;
 }
 
+/* Writes our receive-buffer request (struct rdv_rec) into the sender's FIFO area on QP 0. */
+static chorus_result_t post_rdv(struct ib_conn *c, const struct ib_mrs *m) {
+  struct ib_state *st = c->base.comm->ib;
+  struct ib_q *q = &c->q[0];
+  struct rdv_rec *r = (struct rdv_rec *)((uint8_t *)c->cts_src + RDV_OFF);
+  memset(r, 0, sizeof *r);
+  r->seq = ++c->rdv_seq;
+  r->pos = c->r_pos;
+  r->addr = (uint64_t)(uintptr_t)c->r_dst;
+  r->len = c->r_len;
+  for (int qi = 0; qi < c->nqp; qi++) r->rkey[qi] = m->mr[st->nic[c->q[qi].nic].dev_index]->rkey;
+  r->check = rdv_check(r);
+  struct cv_sge sge = {(uint64_t)(uintptr_t)r, (uint32_t)sizeof *r, c->lmr[q->nic]->lkey};
+  struct cv_send_wr wr, *bad = NULL;
+  memset(&wr, 0, sizeof wr);
+  wr.wr_id = WRID(WR_RDV, 0, r->seq);
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  wr.opcode = CV_WR_RDMA_WRITE;
+  wr.send_flags = CV_SEND_SIGNALED;
+  wr.wr.rdma.remote_addr = c->peer_fifo + RDV_OFF;
+  wr.wr.rdma.rkey = q->peer_rkey;
+  int rc = ib_post_send(q->qp, &wr, &bad);
+  if (rc) return post_failed(c, 0, rc, "a receive buffer request");
+  q->sends++;
+  c->rdv_inflight = 1;
+  return CHORUS_SUCCESS;
+}
+
+/* Big receives into a registered buffer: asks the sender to write the rest of the payload
+ * straight into dst (struct rdv_rec) and reports the bytes that landed there. Without a
+ * registration, or when the sender had already sent the bytes to the ring, nothing comes
+ * here and the caller copies from the ring (peek) as usual. */
+static chorus_result_t ib_read_direct(conn_t *bc, void *dst, size_t n, size_t *got,
+                                      int *progressed) {
+  struct ib_conn *c = (struct ib_conn *)bc;
+  struct chorus_comm *comm = bc->comm;
+  int moved = 0;
+  *got = 0;
+  if (c->err) return c->err;
+  if (c->r_reg) {
+    if ((uint8_t *)dst != c->r_dst + (c->rx_head - c->r_pos) ||
+        n != c->r_pos + c->r_len - c->rx_head)
+      /* the sender may still write the rest into the old buffer: it cannot be dropped */
+      return comm_set_error(comm, CHORUS_ERR_INTERNAL, "rank %d peer %d: a verbs receive into "
+                            "a registered buffer was resumed at another buffer", comm->rank,
+                            bc->peer);
+  } else {
+    uint64_t gen = atomic_load(&comm->nregs_made);
+    if (c->rx_head != c->rx_tail || c->rdv_inflight ||
+        (dst == c->r_nodst && gen == c->r_nodst_gen))
+      goto out;
+    struct chorus_reg *r = reg_find(comm, dst, n);
+    const struct ib_mrs *m = r ? r->ib : NULL;
+    if (!m || !m->writable) {
+      reg_put(comm, r);
+      c->r_nodst = dst;
+      c->r_nodst_gen = gen;
+      goto out;
+    }
+    c->r_reg = r;
+    c->r_dst = dst;
+    c->r_pos = c->rx_head;
+    c->r_len = n;
+    c->r_started = 0;
+    c->r_landed = 0;
+    CHECK(post_rdv(c, m));
+    moved = 1;
+  }
+  CHECK(poll_cqs(c, &moved));
+  if (c->r_started && c->rx_head >= c->r_x && c->rx_head < c->r_x + c->r_landed) {
+    size_t k = (size_t)(c->r_x + c->r_landed - c->rx_head);
+    c->rx_head += k; /* consumed where it landed: the credit covers it */
+    *got = k;
+    CHECK(post_cts(c, &moved));
+  }
+  if (c->r_reg && c->rx_head >= c->r_pos + c->r_len) rdv_end(c);
+out:
+  if (moved || *got) *progressed = 1;
+  return CHORUS_SUCCESS;
+}
+
 static const struct transport_ops ib_ops = {
     .name = "verbs",
     .reserve = ib_reserve,
@@ -889,7 +1100,7 @@ static const struct transport_ops ib_ops = {
     .pollfd = ib_pollfd,
     .close = ib_close,
     .write_direct = ib_write_direct,
-    .read_direct = NULL,
+    .read_direct = ib_read_direct,
 };
 
 /* For tests: the NIC QP qp of a verbs connection uses, and the connection's QP count. */
@@ -1298,9 +1509,15 @@ chorus_result_t ib_reg_create(struct chorus_comm *comm, struct chorus_reg *r) {
   if (!m) return comm_set_error(NULL, CHORUS_ERR_NOMEM, "register: rank %d: out of memory",
                                 comm->rank);
   size_t len = (size_t)(r->end - r->start);
+  /* writable by the peers (receives land in it), or else read-only memory: sources only */
+  m->writable = 1;
   for (int i = 0; i < st->nctx; i++) {
-    /* the NIC only reads it (the source of RDMA writes): no access flags needed */
-    m->mr[i] = st->api->reg_mr(st->pd[i], (void *)r->start, len, 0);
+    int access = m->writable ? CV_ACCESS_LOCAL_WRITE | CV_ACCESS_REMOTE_WRITE : 0;
+    m->mr[i] = st->api->reg_mr(st->pd[i], (void *)r->start, len, access);
+    if (!m->mr[i] && m->writable && i == 0) {
+      m->writable = 0;
+      m->mr[i] = st->api->reg_mr(st->pd[i], (void *)r->start, len, 0);
+    }
     if (!m->mr[i]) {
       int e = errno;
       for (int j = 0; j < i; j++)
@@ -1328,10 +1545,14 @@ void ib_reg_release(struct chorus_comm *comm, struct chorus_reg *r) {
   free(m);
 }
 
-/* For tests: bytes sent over verbs straight from registered buffers and from the rings. */
+/* For tests: bytes sent over verbs straight from registered buffers and from the rings;
+ * bytes received straight into registered buffers. */
 void ib_sent_bytes(const struct chorus_comm *comm, uint64_t *zero_copy, uint64_t *ring) {
   *zero_copy = comm->ib ? atomic_load(&comm->ib->zc_bytes) : 0;
   *ring = comm->ib ? atomic_load(&comm->ib->ring_bytes) : 0;
+}
+uint64_t ib_received_direct_bytes(const struct chorus_comm *comm) {
+  return comm->ib ? atomic_load(&comm->ib->rz_bytes) : 0;
 }
 
 void ib_teardown(struct chorus_comm *comm) {
@@ -1340,7 +1561,10 @@ void ib_teardown(struct chorus_comm *comm) {
   if (st->nconns) {
     uint64_t zc = atomic_load(&st->zc_bytes), ring = atomic_load(&st->ring_bytes);
     INFO(SUB_NET, comm->rank, "verbs: sent %llu bytes straight from registered buffers and "
-         "%llu through the rings", (unsigned long long)zc, (unsigned long long)ring);
+         "%llu through the rings, %llu of them into the peers' registered buffers; received "
+         "%llu bytes straight into registered buffers", (unsigned long long)zc,
+         (unsigned long long)ring, (unsigned long long)atomic_load(&st->rdv_bytes),
+         (unsigned long long)atomic_load(&st->rz_bytes));
   }
   for (int i = 0; i < st->nctx; i++) {
     if (st->pd[i] && st->api->dealloc_pd(st->pd[i]) != 0)
