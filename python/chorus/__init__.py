@@ -48,7 +48,8 @@ class Registration:
     """A CPU tensor's memory registered with a Chorus group (see `register`). Holds a
     reference to the tensor, so its memory stays where it was registered until `close()`
     (or the end of a `with` block). Closing twice, or after the group was destroyed, does
-    nothing."""
+    nothing. Do not grow the tensor's storage (resize_, set_) while it is registered: that
+    moves its memory away from the registered pages."""
 
     def __init__(self, backend, tensor, handle):
         self._backend = backend
