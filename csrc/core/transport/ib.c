@@ -555,6 +555,27 @@ static chorus_result_t post_direct(struct ib_conn *c, int *progressed) {
   return CHORUS_SUCCESS;
 }
 
+/* A control record (credit, receive-buffer request, failure notice): len bytes of our side
+ * area at src, RDMA-written to offset off of the peer's FIFO area on QP 0. Returns the
+ * post's error number (0: posted, counted in the QP's sends). */
+static int post_control(struct ib_conn *c, const void *src, size_t len, uint64_t off,
+                        uint64_t wr_id) {
+  struct ib_q *q = &c->q[0];
+  struct cv_sge sge = {(uint64_t)(uintptr_t)src, (uint32_t)len, c->lmr[q->nic]->lkey};
+  struct cv_send_wr wr, *bad = NULL;
+  memset(&wr, 0, sizeof wr);
+  wr.wr_id = wr_id;
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  wr.opcode = CV_WR_RDMA_WRITE;
+  wr.send_flags = CV_SEND_SIGNALED;
+  wr.wr.rdma.remote_addr = c->peer_fifo + off;
+  wr.wr.rdma.rkey = q->peer_rkey;
+  int rc = ib_post_send(q->qp, &wr, &bad);
+  if (rc == 0) q->sends++;
+  return rc;
+}
+
 /* Tells the sender what we consumed and how many receives we reposted (one in flight). */
 static chorus_result_t post_cts(struct ib_conn *c, int *progressed) {
   if (c->cts_inflight) return CHORUS_SUCCESS;
@@ -566,19 +587,9 @@ static chorus_result_t post_cts(struct ib_conn *c, int *progressed) {
   r->consumed = c->rx_head;
   r->reposted = c->reposted;
   r->check = cts_check(r);
-  struct cv_sge sge = {(uint64_t)(uintptr_t)r, (uint32_t)sizeof *r, c->lmr[q->nic]->lkey};
-  struct cv_send_wr wr, *bad = NULL;
-  memset(&wr, 0, sizeof wr);
-  wr.wr_id = WRID(WR_CTS, 0, r->seq);
-  wr.sg_list = &sge;
-  wr.num_sge = 1;
-  wr.opcode = CV_WR_RDMA_WRITE;
-  wr.send_flags = CV_SEND_SIGNALED;
-  wr.wr.rdma.remote_addr = c->peer_fifo + (r->seq % CTS_SLOTS) * sizeof *r;
-  wr.wr.rdma.rkey = q->peer_rkey;
-  int rc = ib_post_send(q->qp, &wr, &bad);
+  int rc = post_control(c, r, sizeof *r, (r->seq % CTS_SLOTS) * sizeof *r,
+                        WRID(WR_CTS, 0, r->seq));
   if (rc) return post_failed(c, 0, rc, "a clear-to-send credit");
-  q->sends++;
   c->cts_inflight = 1;
   c->cts_consumed = r->consumed;
   c->cts_reposted = r->reposted;
@@ -1011,7 +1022,6 @@ out:
 /* Writes our receive-buffer request (struct rdv_rec) into the sender's FIFO area on QP 0. */
 static chorus_result_t post_rdv(struct ib_conn *c, const struct ib_mrs *m) {
   struct ib_state *st = c->base.comm->ib;
-  struct ib_q *q = &c->q[0];
   struct rdv_rec *r = (struct rdv_rec *)((uint8_t *)c->cts_src + RDV_OFF);
   memset(r, 0, sizeof *r);
   r->seq = ++c->rdv_seq;
@@ -1020,19 +1030,8 @@ static chorus_result_t post_rdv(struct ib_conn *c, const struct ib_mrs *m) {
   r->len = c->r_len;
   for (int qi = 0; qi < c->nqp; qi++) r->rkey[qi] = m->mr[st->nic[c->q[qi].nic].dev_index]->rkey;
   r->check = rdv_check(r);
-  struct cv_sge sge = {(uint64_t)(uintptr_t)r, (uint32_t)sizeof *r, c->lmr[q->nic]->lkey};
-  struct cv_send_wr wr, *bad = NULL;
-  memset(&wr, 0, sizeof wr);
-  wr.wr_id = WRID(WR_RDV, 0, r->seq);
-  wr.sg_list = &sge;
-  wr.num_sge = 1;
-  wr.opcode = CV_WR_RDMA_WRITE;
-  wr.send_flags = CV_SEND_SIGNALED;
-  wr.wr.rdma.remote_addr = c->peer_fifo + RDV_OFF;
-  wr.wr.rdma.rkey = q->peer_rkey;
-  int rc = ib_post_send(q->qp, &wr, &bad);
+  int rc = post_control(c, r, sizeof *r, RDV_OFF, WRID(WR_RDV, 0, r->seq));
   if (rc) return post_failed(c, 0, rc, "a receive buffer request");
-  q->sends++;
   c->rdv_inflight = 1;
   return CHORUS_SUCCESS;
 }
@@ -1057,9 +1056,9 @@ static chorus_result_t ib_read_direct(conn_t *bc, void *dst, size_t n, size_t *g
                             bc->peer);
   } else {
     uint64_t gen = atomic_load(&comm->nregs_made);
-    if (c->rx_head != c->rx_tail || c->rdv_inflight ||
+    if (c->rx_head != c->rx_tail || c->rdv_inflight || c->q[0].sends >= SEND_DEPTH ||
         (dst == c->r_nodst && gen == c->r_nodst_gen))
-      goto out;
+      goto out; /* (a full send queue: asked again on the next call) */
     struct chorus_reg *r = reg_find(comm, dst, n);
     const struct ib_mrs *m = r ? r->ib : NULL;
     if (!m || !m->writable) {
@@ -1431,20 +1430,7 @@ static void post_abort(struct ib_conn *c, uint64_t failed_seq, const char *text)
   r->consumed = failed_seq;
   r->reposted = text_hash(nt->text, sizeof nt->text);
   r->check = abort_check(r);
-  struct cv_sge sge = {(uint64_t)(uintptr_t)nt, (uint32_t)sizeof *nt, c->lmr[q->nic]->lkey};
-  struct cv_send_wr wr, *bad = NULL;
-  memset(&wr, 0, sizeof wr);
-  wr.wr_id = WRID(WR_CTS, 0, 0);
-  wr.sg_list = &sge;
-  wr.num_sge = 1;
-  wr.opcode = CV_WR_RDMA_WRITE;
-  wr.send_flags = CV_SEND_SIGNALED;
-  wr.wr.rdma.remote_addr = c->peer_fifo + NOTICE_OFF;
-  wr.wr.rdma.rkey = q->peer_rkey;
-  if (ib_post_send(q->qp, &wr, &bad) == 0) {
-    q->sends++;
-    c->abort_posted = 1;
-  }
+  if (post_control(c, nt, sizeof *nt, NOTICE_OFF, WRID(WR_CTS, 0, 0)) == 0) c->abort_posted = 1;
 }
 
 void ib_abort_conns(struct chorus_comm *comm) {
