@@ -50,3 +50,40 @@ def test_info_reports_parameter_sources_and_transports():
     text = render(info)
     assert "CHORUS_BUFFSIZE" in text and "NCCL_BUFFSIZE" in text, text
     assert "transports:" in text and "socket  usable" in text and "-> lo" in text, text
+
+
+def test_info_lists_rdma_ports_through_the_transports_loader():
+    """Over the libibverbs test double (CHORUS_IBVERBS_LIB): each port with its link layer,
+    lanes and rate, its LID (InfiniBand) or the GID index the transport would use (RoCE), and
+    whether CHORUS_IB_HCA selects it; without a loadable library, the reason."""
+    fake_dir = f"{REPO}/tests/fakeverbs"
+    res = subprocess.run(["make", "-s", "-C", fake_dir], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    env = base_env(1, 0)
+    for k in list(env):
+        if k.startswith(("CHORUS_", "NCCL_", "FAKEVERBS_")):
+            del env[k]
+    env.update(CHORUS_IBVERBS_LIB=f"{fake_dir}/build/libfakeverbs.so",
+               FAKEVERBS_DEVICES="fake0,fake1/roce", CHORUS_IB_HCA="^=fake1")
+    res = run_info("--json", env=env)
+    assert res.returncode == 0, res.stderr
+    verbs = json.loads(res.stdout)["transports"]["verbs"]
+    ports = {p["name"]: p for p in verbs["libibverbs"]["ports"]}
+    assert sorted(ports) == ["fake0", "fake1"], verbs
+    ib, roce = ports["fake0"], ports["fake1"]
+    assert (ib["link_layer"], ib["width"], ib["rate_gbps"], ib["usable"]) == \
+        ("InfiniBand", 4, 200.0, True), ib
+    assert ib["lid"] > 0 and ib["gid_index"] == -1, ib
+    assert (roce["link_layer"], roce["gid_index"], roce["usable"]) == ("RoCE", 2, False), roce
+    assert "IB_HCA" in roce["why"], roce
+    assert verbs["usable"] and verbs["compiled"], verbs
+    from chorus.info import render
+    text = render(json.loads(res.stdout))
+    assert "fake0:1 InfiniBand, 4x 50 Gb/s = 200 Gb/s" in text, text
+
+    env["CHORUS_IBVERBS_LIB"] = "/nonexistent/libibverbs.so.1"
+    res = run_info("--json", env=env)
+    assert res.returncode == 0, res.stderr
+    lib = json.loads(res.stdout)["transports"]["verbs"]["libibverbs"]
+    assert not lib["loadable"] and "/nonexistent/libibverbs.so.1" in lib["error"], lib
+    assert lib["ports"] == [], lib

@@ -112,6 +112,44 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("reason") = std::string("api"), py::call_guard<py::gil_scoped_release>(),
         "Writes the flight record of every Chorus communicator of this process into dir "
         "('' : CHORUS_TRACE_DIR); returns their paths.");
+  m.def(
+      "verbs_nics",
+      []() {
+        std::vector<chorus_nic_info_t> nics(64);
+        int n = 0;
+        chorus_result_t res;
+        {
+          py::gil_scoped_release nogil;  // opens every device: may take a moment
+          res = chorus_verbs_nics(nics.data(), static_cast<int>(nics.size()), &n);
+        }
+        py::dict d;
+        d["loadable"] = res == CHORUS_SUCCESS;
+        d["error"] = res == CHORUS_SUCCESS ? py::none() : py::cast(std::string(chorus_comm_error(nullptr)));
+        py::list out;
+        for (int i = 0; i < n; i++) {
+          const chorus_nic_info_t& x = nics[i];
+          py::dict e;
+          e["name"] = std::string(x.name);
+          e["port"] = x.port;
+          e["active"] = x.active != 0;
+          e["usable"] = x.usable != 0;
+          e["link_layer"] = x.roce ? "RoCE" : "InfiniBand";
+          e["width"] = x.width;
+          e["lane_gbps"] = x.lane_gbps;
+          e["rate_gbps"] = x.width * x.lane_gbps;
+          e["lid"] = x.lid;
+          e["gid_index"] = x.gid_index;
+          e["why"] = std::string(x.why);
+          out.append(e);
+        }
+        d["nics"] = out;
+        return d;
+      },
+      "The RDMA ports libibverbs (CHORUS_IBVERBS_LIB) shows, as the verbs transport sees them: "
+      "{loadable, error, nics: [{name, port, active, usable, link_layer, width, lane_gbps, "
+      "rate_gbps, lid, gid_index, why}]}.");
+  m.def("verbs_built", []() { return true; },
+        "True: the verbs transport is part of every build (libibverbs is loaded at run time).");
   m.def("cuda_built", []() { return chorus_cuda_built() != 0; },
         "True if this build carries the CUDA path (kernels, CUDA IPC, stream ordering).");
   m.def("version", []() { return std::string(chorus_version()); },

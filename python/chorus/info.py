@@ -4,11 +4,11 @@ the interfaces CHORUS_SOCKET_IFNAME selects, InfiniBand verbs), the topology (CP
 nodes, GPUs and their peer access, network interfaces, InfiniBand devices) and every
 parameter in force with its source (CHORUS_ variable, NCCL_ variable, or the default).
 
-Detection only reads /sys, /proc and /dev/shm, and asks libibverbs (through ctypes) for its
-device list; it opens no connection and needs no process group."""
+Detection only reads /sys, /proc and /dev/shm, and asks libibverbs (CHORUS_IBVERBS_LIB,
+through the verbs transport's own loader) for its devices and ports: link layer, lanes and
+rate, the LID or the GID the transport would use, and whether CHORUS_IB_HCA selects each.
+It opens no connection and needs no process group."""
 import argparse
-import ctypes
-import ctypes.util
 import glob
 import json
 import os
@@ -95,29 +95,15 @@ def ib_devices_sysfs():
     return out
 
 
-def verbs_library():
-    """Whether libibverbs can be loaded here, and the devices it lists."""
-    name = ctypes.util.find_library("ibverbs") or "libibverbs.so.1"
-    try:
-        lib = ctypes.CDLL(name)
-    except OSError as e:
-        return dict(loadable=False, library=name, error=str(e), devices=[])
-    devices = []
-    try:
-        lib.ibv_get_device_list.restype = ctypes.POINTER(ctypes.c_void_p)
-        lib.ibv_get_device_list.argtypes = [ctypes.POINTER(ctypes.c_int)]
-        lib.ibv_get_device_name.restype = ctypes.c_char_p
-        lib.ibv_get_device_name.argtypes = [ctypes.c_void_p]
-        lib.ibv_free_device_list.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-        n = ctypes.c_int(0)
-        lst = lib.ibv_get_device_list(ctypes.byref(n))
-        if lst:
-            for i in range(n.value):
-                devices.append(lib.ibv_get_device_name(lst[i]).decode())
-            lib.ibv_free_device_list(lst)
-    except (AttributeError, OSError) as e:
-        return dict(loadable=True, library=name, error=f"device list: {e}", devices=devices)
-    return dict(loadable=True, library=name, error=None, devices=devices)
+def verbs_library(params):
+    """Whether libibverbs (CHORUS_IBVERBS_LIB) loads here, and its ports as the verbs
+    transport sees them (link layer, lanes and rate, LID or the GID it would use, whether
+    CHORUS_IB_HCA selects them)."""
+    from . import _C
+    got = _C.verbs_nics()
+    return dict(loadable=got["loadable"], library=params["IBVERBS_LIB"]["value"],
+                error=got["error"], devices=sorted({n["name"] for n in got["nics"]}),
+                ports=got["nics"])
 
 
 # ------------------------------------------------------------------ topology
@@ -184,8 +170,8 @@ def collect():
     import torch
     params = {p["name"]: p for p in _C.params()}
     nic_list = nics()
-    verbs_compiled = bool(getattr(_C, "verbs_built", lambda: False)())
-    lib = verbs_library()
+    verbs_compiled = bool(_C.verbs_built())
+    lib = verbs_library(params)
     ib = ib_devices_sysfs()
     try:
         affinity = len(os.sched_getaffinity(0))
@@ -199,7 +185,7 @@ def collect():
             shm=shm_status(params),
             socket=socket_status(params, nic_list),
             verbs=dict(compiled=verbs_compiled, libibverbs=lib, sysfs_devices=[d["name"] for d in ib],
-                       usable=verbs_compiled and lib["loadable"] and bool(lib["devices"]))),
+                       usable=verbs_compiled and any(p["usable"] for p in lib["ports"]))),
         topology=dict(host=socket.gethostname(), cpus=os.cpu_count(), cpus_usable=affinity,
                       numa=numa_nodes(), gpus=gpus(), nics=nic_list, infiniband=ib),
         params=[dict(env=p["env"], value=p["value"], source=p["source"] or "default",
@@ -230,6 +216,12 @@ def render(info):
                f"{'compiled' if vb['compiled'] else 'not in this build'}; libibverbs "
                + (f"loadable ({lib['library']}), devices: {', '.join(lib['devices']) or 'none'}"
                   if lib["loadable"] else f"not loadable ({lib['error']})"))
+    for p in lib["ports"]:
+        rate = (f"{p['width']}x {p['lane_gbps']:g} Gb/s = {p['rate_gbps']:g} Gb/s"
+                if p["rate_gbps"] else "rate unknown")
+        addr = (f"GID index {p['gid_index']}" if p["link_layer"] == "RoCE" else f"LID {p['lid']}")
+        out.append(f"          {p['name']}:{p['port']} {p['link_layer']}, {rate}, {addr}: "
+                   + ("usable" if p["usable"] else f"not used ({p['why']})"))
     out += ["", f"topology: host {topo['host']}, {topo['cpus']} CPUs ({topo['cpus_usable']} usable "
             f"by this process)"]
     for n in topo["numa"]:

@@ -123,6 +123,24 @@ chorus_result_t chorus_comm_register(chorus_comm_t *comm, const void *ptr, size_
                                      void **handle);
 chorus_result_t chorus_comm_deregister(chorus_comm_t *comm, void *handle);
 
+/* An RDMA port as the verbs transport sees it (chorus_verbs_nics). */
+typedef struct {
+  char name[64];         /* device name, e.g. mlx5_0 */
+  int port;
+  int active;            /* port state ACTIVE */
+  int usable;            /* active, addressable, selected by CHORUS_IB_HCA, verbs not disabled */
+  int roce;              /* link layer Ethernet (RoCE); else InfiniBand */
+  int width;             /* lanes (1, 2, 4, 8, 12), 0 if unknown */
+  double lane_gbps;      /* data rate of one lane in Gb/s, 0 if unknown */
+  int lid;               /* InfiniBand LID */
+  int gid_index;         /* RoCE: the GID index the transport would use, else -1 */
+  char why[128];         /* why it is not usable ("" if it is) */
+} chorus_nic_info_t;
+/* Lists up to cap ports of the devices libibverbs (CHORUS_IBVERBS_LIB) shows on this host;
+ * *count gets how many were written. CHORUS_ERR_UNSUPPORTED, with the reason in
+ * chorus_comm_error(NULL), where libibverbs cannot be loaded. */
+chorus_result_t chorus_verbs_nics(chorus_nic_info_t *nics, int cap, int *count);
+
 int chorus_comm_rank(const chorus_comm_t *comm);
 int chorus_comm_size(const chorus_comm_t *comm);
 /* Number of collectives issued so far (the next one gets this sequence number). */

@@ -293,6 +293,106 @@ static int choose_gid(const struct ib_api *api, struct ib_nic *n, int tbl_len, c
   return 0;
 }
 
+/* Describes an active port in n (RoCE: with the GID chosen). 0 when it is addressable; else
+ * why says what is missing: -1 a RoCE port without a usable GID, 1 an IB port without a LID. */
+static int nic_from_port(const struct ib_api *api, struct cv_context *ctx, const char *name,
+                         int port, const struct cv_port_attr *pa, struct ib_nic *n, char *why,
+                         size_t cap) {
+  memset(n, 0, sizeof *n);
+  snprintf(n->name, sizeof n->name, "%s", name);
+  n->port = port;
+  n->ctx = ctx;
+  n->link_layer = pa->link_layer == CV_LINK_LAYER_ETHERNET ? CV_LINK_LAYER_ETHERNET
+                                                           : CV_LINK_LAYER_INFINIBAND;
+  n->lid = pa->lid;
+  n->mtu = pa->active_mtu >= CV_MTU_256 && pa->active_mtu <= CV_MTU_4096 ? pa->active_mtu
+                                                                         : CV_MTU_1024;
+  n->width = pa->active_width;
+  n->speed = pa->active_speed;
+  n->gid_index = -1;
+  n->gid_type = CV_GID_TYPE_IB;
+  if (n->link_layer == CV_LINK_LAYER_ETHERNET)
+    return choose_gid(api, n, pa->gid_tbl_len, why, cap) != 0 ? -1 : 0;
+  if (pa->lid == 0) {
+    snprintf(why, cap, "%s:%d is active but has no LID (no subnet manager?)", name, port);
+    return 1;
+  }
+  return 0;
+}
+
+/* Lanes of ibv_port_attr.active_width, and the data rate of one lane in Gb/s from
+ * active_speed (after line coding: SDR 2, DDR 4, QDR 8, FDR10 10, FDR 13.64, EDR 25,
+ * HDR 50, NDR 100). 0 where the code is unknown. */
+static int width_lanes(int w) {
+  return w == 1 ? 1 : w == 2 ? 4 : w == 4 ? 8 : w == 8 ? 12 : w == 16 ? 2 : 0;
+}
+static double lane_gbps(int s) {
+  switch (s) {
+    case 1: return 2.0;
+    case 2: return 4.0;
+    case 4: return 8.0;
+    case 8: return 10.0;
+    case 16: return 13.64;
+    case 32: return 25.0;
+    case 64: return 50.0;
+    case 128: return 100.0;
+    default: return 0.0;
+  }
+}
+
+chorus_result_t chorus_verbs_nics(chorus_nic_info_t *nics, int cap, int *count) {
+  if (!count || cap < 0 || (cap > 0 && !nics))
+    return comm_set_error(NULL, CHORUS_ERR_INVALID, "verbs_nics: bad arguments");
+  *count = 0;
+  const char *lib_why = "";
+  const struct ib_api *api = ib_api_get(&lib_why);
+  if (!api) return comm_set_error(NULL, CHORUS_ERR_UNSUPPORTED, "%s", lib_why);
+  const char *spec = param_str(PARAM_IB_HCA);
+  int ndev = 0;
+  struct cv_device **list = api->get_device_list(&ndev);
+  if (!list)
+    return comm_set_error(NULL, CHORUS_ERR_SYSTEM, "ibv_get_device_list failed: %s",
+                          strerror(errno));
+  for (int d = 0; d < ndev && *count < cap; d++) {
+    const char *name = api->get_device_name(list[d]);
+    if (!name) continue;
+    struct cv_context *ctx = api->open_device(list[d]);
+    if (!ctx) continue;
+    for (int port = 1; port <= 8 && *count < cap; port++) {
+      struct cv_port_attr pa;
+      memset(&pa, 0, sizeof pa);
+      if (api->query_port(ctx, (uint8_t)port, &pa) != 0) break; /* no such port */
+      chorus_nic_info_t *o = &nics[(*count)++];
+      memset(o, 0, sizeof *o);
+      snprintf(o->name, sizeof o->name, "%s", name);
+      o->port = port;
+      o->active = pa.state == CV_PORT_ACTIVE;
+      o->roce = pa.link_layer == CV_LINK_LAYER_ETHERNET;
+      o->width = width_lanes(pa.active_width);
+      o->lane_gbps = lane_gbps(pa.active_speed);
+      o->lid = pa.lid;
+      o->gid_index = -1;
+      if (!o->active) {
+        snprintf(o->why, sizeof o->why, "port not active");
+        continue;
+      }
+      struct ib_nic n;
+      if (nic_from_port(api, ctx, name, port, &pa, &n, o->why, sizeof o->why) != 0) continue;
+      o->gid_index = n.gid_index;
+      if (spec[0] && !ib_hca_matches(spec, name, port)) {
+        snprintf(o->why, sizeof o->why, "not selected by IB_HCA=%s", spec);
+        continue;
+      }
+      o->why[0] = 0;
+      o->usable = !param_int(PARAM_IB_DISABLE);
+      if (!o->usable) snprintf(o->why, sizeof o->why, "verbs disabled by IB_DISABLE");
+    }
+    (void)api->close_device(ctx); /* the listing is complete either way */
+  }
+  api->free_device_list(list);
+  return CHORUS_SUCCESS;
+}
+
 /* Opens every device with an active port that CHORUS_IB_HCA selects. 0 NICs is not an
  * error (verbs are then simply not used); a failure of the library is logged. */
 static void discover(struct chorus_comm *comm, struct ib_state *st) {
@@ -332,30 +432,16 @@ static void discover(struct chorus_comm *comm, struct ib_state *st) {
       if (pa.state != CV_PORT_ACTIVE) continue;
       if (spec[0] && !ib_hca_matches(spec, name, port)) continue;
       struct ib_nic *n = &st->nic[st->nnics];
-      memset(n, 0, sizeof *n);
-      snprintf(n->name, sizeof n->name, "%s", name);
-      n->port = port;
-      n->ctx = ctx;
+      char why[200];
+      int bad = nic_from_port(api, ctx, name, port, &pa, n, why, sizeof why);
       n->pd = pd;
       n->dev_index = st->nctx;
-      n->link_layer = pa.link_layer == CV_LINK_LAYER_ETHERNET ? CV_LINK_LAYER_ETHERNET
-                                                              : CV_LINK_LAYER_INFINIBAND;
-      n->lid = pa.lid;
-      n->mtu = pa.active_mtu >= CV_MTU_256 && pa.active_mtu <= CV_MTU_4096 ? pa.active_mtu
-                                                                           : CV_MTU_1024;
-      n->width = pa.active_width;
-      n->speed = pa.active_speed;
-      n->gid_index = -1;
-      n->gid_type = CV_GID_TYPE_IB;
-      if (n->link_layer == CV_LINK_LAYER_ETHERNET) {
-        char why[200];
-        if (choose_gid(api, n, pa.gid_tbl_len, why, sizeof why) != 0) {
-          WARN(comm->rank, "verbs: %s; port skipped", why);
-          continue;
-        }
-      } else if (pa.lid == 0) {
-        INFO(SUB_NET, comm->rank, "verbs: %s:%d is active but has no LID (no subnet manager?)",
-             name, port);
+      if (bad < 0) {
+        WARN(comm->rank, "verbs: %s; port skipped", why);
+        continue;
+      }
+      if (bad > 0) {
+        INFO(SUB_NET, comm->rank, "verbs: %s", why);
         continue;
       }
       st->nnics++;
