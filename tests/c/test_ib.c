@@ -466,7 +466,7 @@ static void check_transports(chorus_comm_t *c, const char *remote) {
   }
 }
 
-enum mode { PLAIN, FAULT, QPERR };
+enum mode { PLAIN, FAULT, QPERR, FAULTREG };
 
 static int rank_main(int rank, int n, int port, enum mode mode, const char *remote) {
   g_rank = rank;
@@ -474,6 +474,7 @@ static int rank_main(int rank, int n, int port, enum mode mode, const char *remo
   snprintf(host, sizeof host, "simhost%d", n == 2 ? rank : rank / 2);
   setenv("CHORUS_HOSTID", host, 1);
   if (mode == FAULT && rank == 0) setenv("FAKEVERBS_FAIL_AFTER", "30", 1);
+  if (mode == FAULTREG && rank == 0) setenv("FAKEVERBS_FAIL_AFTER", "300", 1);
   if (mode == QPERR && rank == 1) setenv("FAKEVERBS_QP_ERROR", "25", 1);
   char addr[64];
   snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
@@ -489,17 +490,26 @@ static int rank_main(int rank, int n, int port, enum mode mode, const char *remo
     return 1;
   }
   check_transports(c, remote);
-  if (mode == FAULT || mode == QPERR) {
-    /* all-reduces until the injected failure: both ranks must fail fast, not time out */
-    float x[4096];
+  if (mode == FAULT || mode == QPERR || mode == FAULTREG) {
+    /* all-reduces until the injected failure: both ranks must fail fast, not time out.
+     * FAULTREG: 1.2 MB from and into registered buffers (all-reduce, then broadcast), so the
+     * failure hits sends and receives without a copy; their registrations are released. */
+    size_t cnt = mode == FAULTREG ? 300000 : 4096;
+    float *x = malloc(cnt * sizeof(float));
+    void *h = NULL;
+    if (mode == FAULTREG && chorus_comm_register(c, x, cnt * sizeof(float), &h) != CHORUS_SUCCESS)
+      EXPECT(0, "rank %d: register: %s", rank, chorus_comm_error(NULL));
     chorus_redop_t sum = {CHORUS_SUM, 1.0};
     char err[1024] = "";
     chorus_result_t r = CHORUS_SUCCESS;
     time_t t0 = time(NULL);
     for (int i = 0; i < 200 && r == CHORUS_SUCCESS; i++) {
       chorus_request_t *req;
-      for (int k = 0; k < 4096; k++) x[k] = 1.f;
-      r = chorus_iallreduce(c, x, x, 4096, CHORUS_FLOAT32, sum, &req);
+      for (size_t k = 0; k < cnt; k++) x[k] = 1.f;
+      if (mode == FAULTREG && i % 2)
+        r = chorus_ibroadcast(c, x, cnt, CHORUS_FLOAT32, i % 4 == 1 ? 0 : 1, &req);
+      else
+        r = chorus_iallreduce(c, x, x, cnt, CHORUS_FLOAT32, sum, &req);
       if (r != CHORUS_SUCCESS) /* refused: the communicator failed after the last one */
         snprintf(err, sizeof err, "%s", chorus_comm_error(c));
       else
@@ -508,9 +518,11 @@ static int rank_main(int rank, int n, int port, enum mode mode, const char *remo
     long secs = (long)(time(NULL) - t0);
     EXPECT(r != CHORUS_SUCCESS, "rank %d: no failure after the injected error", rank);
     EXPECT(secs < 10, "rank %d: the failure took %ld s", rank, secs);
-    if (mode == FAULT)
+    if (mode == FAULT || (mode == FAULTREG && rank == 0))
       EXPECT(strstr(err, "transport retry counter exceeded") && strstr(err, "status 12"),
              "rank %d: status not named: %s", rank, err);
+    else if (mode == FAULTREG) /* rank 1: its peer's notice, or its own failed write */
+      EXPECT(strstr(err, "status "), "rank %d: no status named: %s", rank, err);
     else if (rank == 1) /* its QP was moved to the error state: its writes are flushed */
       EXPECT(strstr(err, "Work Request Flushed Error") && strstr(err, "status 5"),
              "rank %d: status not named: %s", rank, err);
@@ -519,11 +531,20 @@ static int rank_main(int rank, int n, int port, enum mode mode, const char *remo
     EXPECT(strstr(err, rank == 0 ? "rank 0 peer 1 (verbs" : "rank 1 peer 0 (verbs"),
            "rank %d: peer not named: %s", rank, err);
     printf("rank %d failed as expected: %s\n", rank, err);
+    if (mode == FAULTREG) {
+      uint64_t zc, ring;
+      ib_sent_bytes(c, &zc, &ring);
+      EXPECT(zc > 0, "rank %d: nothing was sent from the registered buffer before the error",
+             rank);
+    }
+    chorus_comm_destroy(c); /* x still registered: destroy releases it */
+    c = NULL;
+    free(x);
   } else {
     check_collectives(c, n);
     check_registered(c, n, remote);
   }
-  chorus_comm_destroy(c);
+  if (c) chorus_comm_destroy(c);
   if (bs.release) bs.release(bs.ctx);
   return failures ? 1 : 0;
 }
@@ -591,6 +612,9 @@ int main(void) {
     setenv("FAKEVERBS_DEVICES", "fake0", 1);
     bad += run_world("injected completion error", 2, FAULT, "verbs");
     bad += run_world("injected QP error", 2, QPERR, "verbs");
+    setenv("CHORUS_BUFFSIZE", "4M", 1); /* collectives' messages reach write_direct */
+    bad += run_world("injected completion error, registered buffers", 2, FAULTREG, "verbs");
+    setenv("CHORUS_BUFFSIZE", "64K", 1);
     setenv("CHORUS_IB_DISABLE", "1", 1);
     bad += run_world("IB_DISABLE=1: sockets", 4, PLAIN, "socket");
     unsetenv("CHORUS_IB_DISABLE");
