@@ -742,6 +742,7 @@ static void read_fifo(struct ib_conn *c, int *progressed) {
       r.check = __atomic_load_n(&rr->check, __ATOMIC_ACQUIRE);
       if (r.check == rdv_check(&r)) { /* else still landing: read again next time */
         c->rdv_seen = r.seq;
+        if (c->rdv_active && c->tx_posted >= c->rdv_pos + c->rdv_len) c->rdv_active = 0;
         if (!c->rdv_active && c->tx_posted >= r.pos && c->tx_posted - r.pos < r.len) {
           c->rdv_active = 1;
           c->rdv_pos = r.pos;
