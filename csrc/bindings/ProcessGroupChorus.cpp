@@ -696,8 +696,14 @@ void WorkChorus::completeFuture(std::exception_ptr eptr) noexcept {
 
 void WorkChorus::awaitCompleted() {
   finalize();
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    if (completed_) return;
+  }
+  // Another thread is still finalizing, and may need the GIL to drop a tensor (getFuture()).
+  GilRelease nogil;
   std::unique_lock<std::mutex> lk(mutex_);
-  cv_.wait(lk, [&] { return completed_; });  // another thread may still be finalizing
+  cv_.wait(lk, [&] { return completed_; });
 }
 
 bool WorkChorus::waitDone(Clock::time_point deadline, bool has_deadline) {
@@ -794,10 +800,21 @@ bool WorkChorus::wait(std::chrono::milliseconds timeout) {
 
 c10::intrusive_ptr<c10::ivalue::Future> WorkChorus::getFuture() {
   // From now on callbacks may be attached: the core thread must not be the one completing
-  // the future. If it is finalizing right now, let it finish first.
+  // the future. If it is finalizing right now, let it finish first, without the GIL: dropping
+  // the last reference to a tensor whose Python object C++ keeps alive (an input passed as a
+  // temporary) takes the GIL on that thread, and Python calls get_future() holding it.
+  bool finalizing_inline;
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    future_taken_ = true;  // beginInline() refuses from here on
+    finalizing_inline = inline_;
+  }
+  if (finalizing_inline) {
+    GilRelease nogil;  // taken back after the lock below is released
+    std::unique_lock<std::mutex> lk(mutex_);
+    cv_.wait(lk, [&] { return !inline_; });
+  }
   std::unique_lock<std::mutex> lk(mutex_);
-  future_taken_ = true;
-  cv_.wait(lk, [&] { return !inline_; });
   const bool late = future_deferred_;  // finalize() left it to us
   future_deferred_ = false;
   std::exception_ptr eptr = exception_;
