@@ -573,6 +573,9 @@ void msg_tx_init(struct msg_tx *tx, conn_t *c, const struct op *op, const void *
 void msg_rx_init(struct msg_rx *rx, conn_t *c, const struct op *op, size_t len);
 /* Writes as much as possible; sets tx->done at the end. */
 chorus_result_t msg_tx_progress(struct msg_tx *tx, int *progressed);
+/* Copies up to n bytes of src (zeros if src is NULL) into c's outgoing stream through its
+ * ring (reserve / commit), as far as the ring has room; *wrote: bytes taken. */
+chorus_result_t msg_stream_write(conn_t *c, const void *src, size_t n, size_t *wrote);
 /* Copies as much as possible into dst (payload offset rx->pos); sets rx->done. */
 chorus_result_t msg_rx_copy(struct msg_rx *rx, void *dst, int *progressed);
 /* Zero-copy access: after the header is validated, the contiguous payload bytes

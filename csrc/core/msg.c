@@ -41,8 +41,7 @@ void msg_rx_init(struct msg_rx *rx, conn_t *c, const struct op *op, size_t len) 
   rx->len = len;
 }
 
-/* Copy up to n bytes from src into the outgoing stream. */
-static chorus_result_t stream_write(conn_t *c, const void *src, size_t n, size_t *wrote) {
+chorus_result_t msg_stream_write(conn_t *c, const void *src, size_t n, size_t *wrote) {
   *wrote = 0;
   while (*wrote < n) {
     void *p;
@@ -65,7 +64,7 @@ chorus_result_t msg_tx_progress(struct msg_tx *tx, int *progressed) {
   while (tx->pos < total) {
     size_t w = 0;
     if (tx->pos < hl) {
-      CHECK(stream_write(tx->c, (const uint8_t *)&tx->hdr + tx->pos, hl - tx->pos, &w));
+      CHECK(msg_stream_write(tx->c, (const uint8_t *)&tx->hdr + tx->pos, hl - tx->pos, &w));
     } else if (tx->pos < hl + tx->len) {
       size_t rem = hl + tx->len - tx->pos;
       /* once direct, direct to the end: the transport polls for it until then */
@@ -73,10 +72,10 @@ chorus_result_t msg_tx_progress(struct msg_tx *tx, int *progressed) {
         tx->direct = 1;
         CHECK(tx->c->ops->write_direct(tx->c, tx->buf + (tx->pos - hl), rem, &w, progressed));
       } else {
-        CHECK(stream_write(tx->c, tx->buf + (tx->pos - hl), rem, &w));
+        CHECK(msg_stream_write(tx->c, tx->buf + (tx->pos - hl), rem, &w));
       }
     } else {
-      CHECK(stream_write(tx->c, NULL, total - tx->pos, &w));
+      CHECK(msg_stream_write(tx->c, NULL, total - tx->pos, &w));
     }
     if (w == 0) break;
     tx->pos += w;

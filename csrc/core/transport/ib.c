@@ -148,8 +148,7 @@ struct ib_conn {
   uint64_t d_pos, d_len, d_posted, d_reported;
   /* the receive buffer the peer asked us to write into (struct rdv_rec), while active */
   uint64_t rdv_seen, rdv_pos, rdv_addr, rdv_len;
-  uint32_t rdv_rkey[IB_MAX_QPS];
-  int rdv_active;
+  uint32_t rdv_rkey[IB_MAX_QPS];  /* (in force while tx_posted lies in the range: rdv_covers) */
   /* a direct receive (read_direct into a registered buffer): stream bytes [r_pos, r_pos +
    * r_len) were requested into r_dst; from r_x on (once r_started) they land there, r_landed
    * so far; bytes before r_x came through the ring */
@@ -538,14 +537,18 @@ static chorus_result_t post_failed(struct ib_conn *c, int qi, int rc, const char
   return conn_fatal(c);
 }
 
+/* Whether stream byte pos lies in [start, start + len). */
+static int in_range(uint64_t pos, uint64_t start, uint64_t len) {
+  return pos >= start && pos - start < len;
+}
+
 /* Where the chunk starting at stream byte tx_posted goes, for at most `want` bytes: into the
  * receive buffer the peer published (rdv_*) while tx_posted lies in it (flag RDV_FLAG in the
  * immediate), else into the peer's ring (never across its end, never beyond the space it
  * has consumed). Returns the chunk's length, 0 when the ring has no room now. */
 static size_t chunk_dest(struct ib_conn *c, int qi, size_t want, uint64_t *raddr,
                          uint32_t *rkey, uint32_t *flag) {
-  if (c->rdv_active && c->tx_posted >= c->rdv_pos + c->rdv_len) c->rdv_active = 0;
-  if (c->rdv_active) {
+  if (in_range(c->tx_posted, c->rdv_pos, c->rdv_len)) {
     uint64_t off = c->tx_posted - c->rdv_pos;
     if (want > c->rdv_len - off) want = (size_t)(c->rdv_len - off);
     *raddr = c->rdv_addr + off;
@@ -590,52 +593,39 @@ static chorus_result_t post_chunk(struct ib_conn *c, int qi, const void *src, ui
   return CHORUS_SUCCESS;
 }
 
-/* Posts committed bytes as chunks while the receiver's ring and receive queues have room. */
-static chorus_result_t post_data(struct ib_conn *c, int *progressed) {
+/* Posts the stream's next bytes as chunks while the receiver's ring (or requested buffer)
+ * and receive queues have room: first what the local ring holds, then the direct run's bytes
+ * straight from its registered buffer (reserve hands out no ring space while one is open). */
+static chorus_result_t post_stream(struct ib_conn *c, int *progressed) {
+  struct ib_state *st = c->base.comm->ib;
   size_t chunk = c->size / 4 < CHUNK_MAX ? c->size / 4 : CHUNK_MAX;
-  while (c->tx_posted < c->tx_tail) {
+  for (;;) {
+    const int from_ring = c->tx_posted < c->tx_tail;
+    if (!from_ring && !(c->d_reg && c->d_posted < c->d_len)) break;
     if (c->chunks_sent - c->peer_reposted >= RECV_DEPTH) break;
     int qi = (int)(c->chunks_sent % (uint64_t)c->nqp);
     struct ib_q *q = &c->q[qi];
     if (q->sends >= SEND_DEPTH - 1) break; /* one slot kept for credits on QP 0 */
     size_t idx = (size_t)(c->tx_posted % c->size);
-    size_t len = (size_t)(c->tx_tail - c->tx_posted);
+    size_t len = (size_t)(from_ring ? c->tx_tail - c->tx_posted : c->d_len - c->d_posted);
     if (len > chunk) len = chunk;
-    if (len > c->size - idx) len = c->size - idx; /* the local copy does not wrap either */
+    if (from_ring && len > c->size - idx) len = c->size - idx; /* the local copy wraps there */
     uint64_t raddr;
     uint32_t rkey, flag;
     len = chunk_dest(c, qi, len, &raddr, &rkey, &flag);
     if (len == 0) break;
-    CHECK(post_chunk(c, qi, c->tx + idx, c->lmr[q->nic]->lkey, len, raddr, rkey, flag,
-                     "a data chunk"));
-    atomic_fetch_add_explicit(&c->base.comm->ib->ring_bytes, len, memory_order_relaxed);
-    *progressed = 1;
-  }
-  return CHORUS_SUCCESS;
-}
-
-/* Posts the direct run's next chunks straight from the registered buffer, while the
- * receiver's ring (tx_acked: what it consumed) and receive queues have room. */
-static chorus_result_t post_direct(struct ib_conn *c, int *progressed) {
-  size_t chunk = c->size / 4 < CHUNK_MAX ? c->size / 4 : CHUNK_MAX;
-  const struct ib_mrs *m = c->d_reg->ib;
-  struct ib_state *st = c->base.comm->ib;
-  while (c->d_posted < c->d_len) {
-    if (c->chunks_sent - c->peer_reposted >= RECV_DEPTH) break;
-    int qi = (int)(c->chunks_sent % (uint64_t)c->nqp);
-    struct ib_q *q = &c->q[qi];
-    if (q->sends >= SEND_DEPTH - 1) break; /* one slot kept for credits on QP 0 */
-    size_t len = (size_t)(c->d_len - c->d_posted);
-    if (len > chunk) len = chunk;
-    uint64_t raddr;
-    uint32_t rkey, flag;
-    len = chunk_dest(c, qi, len, &raddr, &rkey, &flag);
-    if (len == 0) break;
-    CHECK(post_chunk(c, qi, c->d_src + c->d_posted, m->mr[st->nic[q->nic].dev_index]->lkey,
-                     len, raddr, rkey, flag, "a data chunk from a registered buffer"));
-    c->tx_tail += len;
-    c->d_posted += len;
-    atomic_fetch_add_explicit(&st->zc_bytes, len, memory_order_relaxed);
+    if (from_ring) {
+      CHECK(post_chunk(c, qi, c->tx + idx, c->lmr[q->nic]->lkey, len, raddr, rkey, flag,
+                       "a data chunk"));
+      atomic_fetch_add_explicit(&st->ring_bytes, len, memory_order_relaxed);
+    } else {
+      const struct ib_mrs *m = c->d_reg->ib;
+      CHECK(post_chunk(c, qi, c->d_src + c->d_posted, m->mr[st->nic[q->nic].dev_index]->lkey,
+                       len, raddr, rkey, flag, "a data chunk from a registered buffer"));
+      c->tx_tail += len;
+      c->d_posted += len;
+      atomic_fetch_add_explicit(&st->zc_bytes, len, memory_order_relaxed);
+    }
     *progressed = 1;
   }
   return CHORUS_SUCCESS;
@@ -742,9 +732,8 @@ static void read_fifo(struct ib_conn *c, int *progressed) {
       r.check = __atomic_load_n(&rr->check, __ATOMIC_ACQUIRE);
       if (r.check == rdv_check(&r)) { /* else still landing: read again next time */
         c->rdv_seen = r.seq;
-        if (c->rdv_active && c->tx_posted >= c->rdv_pos + c->rdv_len) c->rdv_active = 0;
-        if (!c->rdv_active && c->tx_posted >= r.pos && c->tx_posted - r.pos < r.len) {
-          c->rdv_active = 1;
+        if (!in_range(c->tx_posted, c->rdv_pos, c->rdv_len) &&
+            in_range(c->tx_posted, r.pos, r.len)) {
           c->rdv_pos = r.pos;
           c->rdv_addr = r.addr;
           c->rdv_len = r.len;
@@ -923,8 +912,7 @@ static chorus_result_t ib_progress(conn_t *bc, int *progressed) {
   if (c->err) return c->err;
   CHECK(poll_cqs(c, &moved));
   read_fifo(c, &moved);
-  CHECK(post_data(c, &moved));
-  if (c->d_reg) CHECK(post_direct(c, &moved));
+  CHECK(post_stream(c, &moved));
   CHECK(post_cts(c, &moved));
   if (moved && progressed) *progressed = 1;
   int waiting = (c->starving && c->rx_head == c->rx_tail) || c->tx_posted < c->tx_tail ||
@@ -981,7 +969,7 @@ static chorus_result_t ib_commit(conn_t *bc, size_t len) {
   c->tx_tail += len;
   int moved = 0;
   if (c->err) return c->err;
-  return post_data(c, &moved);
+  return post_stream(c, &moved);
 }
 
 static chorus_result_t ib_peek(conn_t *bc, const void **ptr, size_t *len) {
@@ -1064,22 +1052,12 @@ static chorus_result_t ib_write_direct(conn_t *bc, const void *src, size_t n, si
   *wrote = 0;
   if (c->err) return c->err;
   if (!c->d_reg) {
-    CHECK(post_data(c, &moved)); /* the ring's bytes come first in the stream */
+    CHECK(post_stream(c, &moved)); /* the ring's bytes come first in the stream */
     if (c->tx_posted < c->tx_tail) goto out;
     struct chorus_reg *r = reg_find(comm, src, n);
-    if (!r || !r->ib) {
+    if (!r || !r->ib) { /* not registered: through the ring */
       reg_put(comm, r);
-      while (*wrote < n) { /* not registered: through the ring */
-        void *p;
-        size_t avail;
-        CHECK(ib_reserve(bc, &p, &avail));
-        if (avail == 0) break;
-        size_t k = n - *wrote < avail ? n - *wrote : avail;
-        memcpy(p, (const uint8_t *)src + *wrote, k);
-        CHECK(ib_commit(bc, k));
-        *wrote += k;
-        moved = 1;
-      }
+      CHECK(msg_stream_write(bc, src, n, wrote));
       goto out;
     }
     c->d_reg = r;
@@ -1091,7 +1069,7 @@ static chorus_result_t ib_write_direct(conn_t *bc, const void *src, size_t n, si
     return comm_set_error(comm, CHORUS_ERR_INTERNAL, "rank %d peer %d: a verbs send from a "
                           "registered buffer was resumed at another buffer", comm->rank, bc->peer);
   }
-  CHECK(post_direct(c, &moved));
+  CHECK(post_stream(c, &moved));
   CHECK(poll_cqs(c, &moved));
   uint64_t done = c->tx_done > c->d_pos ? c->tx_done - c->d_pos : 0;
   if (done > c->d_len) done = c->d_len;
