@@ -62,6 +62,9 @@ static int rank_main(int rank, int port, const char *dir) {
   snprintf(g_dump_dir, sizeof g_dump_dir, "%s/concurrent", dir);
   pthread_t th;
   pthread_create(&th, NULL, dumper, NULL);
+  /* the calls below take well under a millisecond: let the dumper get going first (a loaded
+   * 2-core machine under ASan may not schedule the thread before they are all done) */
+  for (int i = 0; i < 20000 && atomic_load(&g_dumps) == 0; i++) usleep(500);
   chorus_redop_t sum = {CHORUS_SUM, 1.0};
   for (int i = 0; i < 6; i++) {
     float x[3] = {1, 2, 3};
