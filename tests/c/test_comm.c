@@ -126,6 +126,31 @@ static void check_others(chorus_comm_t *c, int n) {
     EXPECT(a_out[p * 2] == p * 1000 + g_rank, "alltoall from %d", p);
     EXPECT(a_out[p * 2 + 1] == -p, "alltoall from %d second", p);
   }
+  /* alltoall of 1 MiB blocks (several scratch chunks), out of place and then in place (the
+   * same buffer for input and output: every block but our own is replaced) */
+  {
+    const size_t bc = (size_t)1 << 18;
+    int32_t *bi = malloc((size_t)n * bc * sizeof(int32_t)),
+            *bo = malloc((size_t)n * bc * sizeof(int32_t));
+    for (int pass = 0; pass < 2; pass++) {
+      for (int p = 0; p < n; p++)
+        for (size_t i = 0; i < bc; i++) bi[(size_t)p * bc + i] = (int32_t)(g_rank * 100000 + p * 7 + (int)(i % 1013));
+      int32_t *out = pass ? bi : bo;
+      OK(chorus_ialltoall(c, bi, out, bc, CHORUS_INT32, &req));
+      OK(run_req(req));
+      int bad = 0;
+      for (int p = 0; p < n && !bad; p++)
+        for (size_t i = 0; i < bc; i++)
+          if (out[(size_t)p * bc + i] != (int32_t)(p * 100000 + g_rank * 7 + (int)(i % 1013))) {
+            EXPECT(0, "alltoall %s: block %d element %zu = %d", pass ? "in place" : "out of place",
+                   p, i, out[(size_t)p * bc + i]);
+            bad = 1;
+            break;
+          }
+    }
+    free(bi);
+    free(bo);
+  }
   /* ring of send/recv posted both ways before waiting (must not deadlock) */
   if (n > 1) {
     size_t big = 300000;

@@ -431,6 +431,15 @@ chorus_result_t oneshot_alltoall(struct chorus_comm *comm, struct op *op) {
   const size_t h = block_piece(&x);
   const size_t blk = op->counts[0] * x.es;
   const size_t nch = blk ? div_up(blk, h) : 1;
+  const uint8_t *sb = op->sendbuf;
+  uint8_t *rb = op->recvbuf;
+  const size_t total = blk * (size_t)x.n;
+  /* Our own block goes straight from the input to the output (one copy instead of two
+   * through the scratch), unless the buffers overlap without being the same: then writing
+   * it early could clobber input a later chunk still reads. In place it stays where it is. */
+  const int same = sb == rb;
+  const int disjoint = sb + total <= rb || rb + total <= sb;
+  const int own_direct = same || disjoint;
   for (size_t k = 0; k < nch; k++) {
     uint64_t g;
     uint8_t *mine;
@@ -438,14 +447,18 @@ chorus_result_t oneshot_alltoall(struct chorus_comm *comm, struct op *op) {
     size_t pos = k * h, len = blk > pos ? (blk - pos < h ? blk - pos : h) : 0;
     if (len)
       for (int p = 0; p < x.n; p++)
-        CHECK(dx_copy(&x, mine + (size_t)p * h,
-                      (const uint8_t *)op->sendbuf + (size_t)p * blk + pos, len, 0));
+        if (p != x.me || !own_direct)
+          CHECK(dx_copy(&x, mine + (size_t)p * h, sb + (size_t)p * blk + pos, len, 0));
     CHECK(publish(&x, F_POSTED, g));
+    if (len && own_direct && !same)
+      CHECK(copy_out(&x, rb + (size_t)x.me * blk + pos, sb + (size_t)x.me * blk + pos, len,
+                     total));
     CHECK(wait_flag(&x, F_POSTED, g, -1));
     if (len)
       for (int q = 0; q < x.n; q++)
-        CHECK(copy_out(&x, (uint8_t *)op->recvbuf + (size_t)q * blk + pos,
-                       scratch_of(&x, q, g) + (size_t)x.me * h, len, blk * (size_t)x.n));
+        if (q != x.me || !own_direct)
+          CHECK(copy_out(&x, rb + (size_t)q * blk + pos, scratch_of(&x, q, g) + (size_t)x.me * h,
+                         len, total));
     CHECK(publish(&x, F_DONE, g));
   }
   return CHORUS_SUCCESS;
