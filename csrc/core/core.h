@@ -425,6 +425,7 @@ struct chorus_request {
   void (*cb)(void *, chorus_result_t);
   void *cb_arg;
   struct chorus_comm *comm;
+  int64_t spin_ns;            /* chorus_wait spins this long before it sleeps */
 };
 
 struct op {
