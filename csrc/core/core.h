@@ -76,7 +76,7 @@ int chorus_log_enabled(int level, int subsys);
     "twoshot); messages are processed in chunks of half of it.")                             \
   X(SHM_THREADS, "SHM_THREADS", "int", "-1", 0,                                             \
     "Threads per rank (the engine's own included) that split big same-host copies and "      \
-    "reductions; -1: half the host's cores divided by its local ranks, 1 to 4.")             \
+    "reductions; -1: 3/4 of the host's cores divided by its local ranks, 1 to 4.")          \
   X(CUDA_SCRATCH, "CUDA_SCRATCH", "size", "32M", 0,                                         \
     "Bytes of device memory per rank that same-host peers map through CUDA IPC for device "   \
     "collectives; messages are processed in chunks of half of it.")                          \

@@ -111,11 +111,13 @@ static int helpers_wanted(const struct chorus_comm *comm) {
     if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
       cores = CPU_COUNT(&set);
 #endif
-    /* Half the cores per local rank: the other half stays with the ranks' own Python
-     * threads (spinning helpers that outnumber the cores make everything slower). On the
-     * 16-core GPU host with 4 ranks, 2 threads per rank beat 1 and 4 (docs/PERFORMANCE.md). */
+    /* Three quarters of the cores per local rank: the rest stays with the ranks' own
+     * Python threads (spinning helpers that outnumber the cores make everything slower).
+     * On the 16-core GPU host with 4 ranks, 3 threads per rank beat 2 (all_reduce and
+     * all-to-all of 1-16 MB 10-30% faster), and 4 made medium sizes erratic
+     * (docs/design.md, "Same-host direct-access algorithms"). */
     int local = comm->nlocal > 0 ? comm->nlocal : 1;
-    t = cores / (2 * (long)local);
+    t = 3 * cores / (4 * (long)local);
     if (t > 4) t = 4;
   }
   if (t < 1) t = 1;

@@ -22,7 +22,8 @@ Sizes are rounded down to that granularity (at least one granule); the header sa
 algbw = size / time (GB = 1e9 bytes); busbw = algbw x factor: all_reduce 2(n-1)/n,
 all_gather, reduce_scatter, alltoall (n-1)/n; broadcast, reduce, sendrecv 1.
 
-Timing (as nccl-tests): per size, warmup ops, a barrier (on a separate gloo control group),
+Timing (as nccl-tests): per size, warmup ops, a barrier (on a separate gloo control group)
+and one untimed one-element all_reduce on the measured backend (which lines the ranks up),
 then -n ops launched back-to-back (async_op=True), all waited (and torch.cuda.synchronize()),
 time = elapsed / n. The row shows the maximum over ranks (-a changes that: 0 rank 0,
 1 mean, 2 min, 3 max; nccl-tests' default is the mean).
@@ -373,6 +374,7 @@ class Runner:
         self.op, self.inplace, self.group, self.b, self.ctx = op, inplace, group, bufs, ctx
         self.works = []
         self.pending = [None, None]  # emulated out-of-place: work in flight per output buffer
+        self.align = torch.zeros(1, dtype=torch.float32, device=ctx.device)
 
     def _collect(self, w):
         if w is None:
@@ -696,16 +698,24 @@ def _combine_time(ctx, col):
     return float(col.max())
 
 
-def measure(ctx, op, inplace, group, bufs, expected, corrupt):
-    """(time_us, wrong-on-this-rank or None) for one half."""
+def measure(ctx, op, inplace, group, bufs, expected, corrupt, first=False):
+    """(time_us, wrong-on-this-rank or None) for one half. first: the sweep's first size,
+    which also gets the sweep-wide warm-up that nccl-tests runs before its first size
+    (threads, caches and lazily made state are cold before it)."""
     runner = Runner(op, inplace, group, bufs, ctx)
     wrong = runner.check_once(expected, corrupt) if ctx.check else None
-    for k in range(ctx.warmup):
+    for k in range(ctx.warmup * (2 if first else 1)):
         runner.start(k)
     runner.drain()
     if ctx.cuda:
         torch.cuda.synchronize()
     dist.barrier(group=ctx.ctrl)
+    # The control barrier lets ranks go tens of microseconds apart, as much as a whole timed
+    # loop of a small size takes: one untimed one-element all_reduce on the measured
+    # backend lines them up to within that backend's own latency before the clock starts.
+    dist.all_reduce(runner.align, group=group)
+    if ctx.cuda:
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     for k in range(ctx.iters):
         runner.start(k)
@@ -767,7 +777,8 @@ def sweep(ctx, op, args, out, records, table):
                     # First size: an op the backend rejects is detected on every rank.
                     exc, res = None, None
                     try:
-                        res = measure(ctx, op, inplace, group, bufs, expected, corrupt)
+                        res = measure(ctx, op, inplace, group, bufs, expected, corrupt,
+                                      first=True)
                     except Exception as e:  # noqa: BLE001 (reported below)
                         exc = e
                     failed = _agree_failure(ctx, exc)
