@@ -278,6 +278,18 @@ def test_bad_input_is_a_clear_error(capsys, args, message):
     assert message in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("has_nccl", [True, False])
+def test_compare_nccl_needs_nccl_and_cuda_tensors(capsys, monkeypatch, has_nccl):
+    # before: every rank died in new_group() with a traceback
+    import torch.distributed as dist
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: has_nccl)
+    rc, out, err = run_main(capsys, ["--nproc", 2, "--compare", "nccl", "-b", 8, "-e", 8])
+    assert rc == 2, out + err
+    want = "NCCL moves CUDA tensors only: add --device cuda" if has_nccl else \
+        "this torch build has no NCCL"
+    assert f"--compare nccl: {want}" in err and "Traceback" not in err, err
+
+
 def test_plot_without_matplotlib_is_a_clear_error(capsys, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     rc, out, err = run_main(capsys, ["--nproc", 2, "--plot", tmp_path / "x.png"])

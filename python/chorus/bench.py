@@ -215,6 +215,22 @@ def build_parser():
     return ap
 
 
+def _backend_problem(name, device):
+    """Why torch.distributed cannot run backend `name` on `device` here, or None."""
+    if name is None:
+        return None
+    if name == "nccl":
+        if not dist.is_nccl_available():
+            return "this torch build has no NCCL (a CPU-only build?)"
+        if device != "cuda":
+            return "NCCL moves CUDA tensors only: add --device cuda"
+    if name == "gloo" and not dist.is_gloo_available():
+        return "this torch build has no Gloo"
+    if name == "mpi" and not dist.is_mpi_available():
+        return "this torch build has no MPI"
+    return None
+
+
 def validate(args):
     """Checks that need no process group; the same on every rank. Raises UsageError."""
     if args.minbytes > args.maxbytes:
@@ -249,6 +265,10 @@ def validate(args):
         raise UsageError(f"--compare {args.compare} is the backend under test already")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: torch sees no CUDA device")
+    for flag, name in (("--backend", args.backend), ("--compare", args.compare)):
+        problem = _backend_problem(name, args.device)
+        if problem:
+            raise UsageError(f"{flag} {name}: {problem}")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
