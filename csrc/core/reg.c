@@ -31,6 +31,13 @@ static void reg_free(struct chorus_comm *comm, struct chorus_reg *r) {
   free(r);
 }
 
+/* The caller's live registration that covers [start, end), or NULL; comm->reg_mu held. */
+static struct chorus_reg *covering(struct chorus_comm *comm, uintptr_t start, uintptr_t end) {
+  for (struct chorus_reg *r = comm->regs; r; r = r->next)
+    if (r->user > 0 && r->start <= start && end <= r->end) return r;
+  return NULL;
+}
+
 chorus_result_t chorus_comm_register(chorus_comm_t *comm, const void *ptr, size_t bytes,
                                      void **handle) {
   if (!handle) return comm_set_error(NULL, CHORUS_ERR_INVALID, "register: handle is NULL");
@@ -46,14 +53,14 @@ chorus_result_t chorus_comm_register(chorus_comm_t *comm, const void *ptr, size_
   uintptr_t start = s & ~(pg - 1), end = (s + bytes + pg - 1) & ~(pg - 1);
   chorus_result_t res = CHORUS_SUCCESS;
   pthread_mutex_lock(&comm->reg_mu);
-  for (struct chorus_reg *r = comm->regs; r; r = r->next)
-    if (r->user > 0 && r->start <= start && end <= r->end) {
-      r->user++;
-      r->refs++;
-      *handle = r;
-      goto out;
-    }
-  struct chorus_reg *r = calloc(1, sizeof *r);
+  struct chorus_reg *r = covering(comm, start, end);
+  if (r) {
+    r->user++;
+    r->refs++;
+    *handle = r;
+    goto out;
+  }
+  r = calloc(1, sizeof *r);
   if (!r) {
     res = comm_set_error(NULL, CHORUS_ERR_NOMEM, "register: rank %d: out of memory", comm->rank);
     goto out;
@@ -96,16 +103,11 @@ chorus_result_t chorus_comm_deregister(chorus_comm_t *comm, void *handle) {
 struct chorus_reg *reg_find(struct chorus_comm *comm, const void *ptr, size_t bytes) {
   uintptr_t s = (uintptr_t)ptr;
   if (!ptr || !bytes || bytes > UINTPTR_MAX - s) return NULL;
-  struct chorus_reg *found = NULL;
   pthread_mutex_lock(&comm->reg_mu);
-  for (struct chorus_reg *r = comm->regs; r; r = r->next)
-    if (r->user > 0 && r->start <= s && s + bytes <= r->end) {
-      r->refs++;
-      found = r;
-      break;
-    }
+  struct chorus_reg *r = covering(comm, s, s + bytes);
+  if (r) r->refs++;
   pthread_mutex_unlock(&comm->reg_mu);
-  return found;
+  return r;
 }
 
 void reg_put(struct chorus_comm *comm, struct chorus_reg *r) {
