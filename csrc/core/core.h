@@ -92,6 +92,11 @@ int chorus_log_enabled(int level, int subsys);
     "collective alone, straight on every rank's buffers (mapped through CUDA IPC), ordered "   \
     "by IPC events: no host copy, and no rank's host waits for the GPU. 0: the IPC scratch "   \
     "or staged paths.")                                                                     \
+  X(SOCKET_THREADS, "SOCKET_THREADS", "int", "-1", 0,                                      \
+    "Helper threads per rank that make the system calls of socket payloads of 256 KiB or "  \
+    "more (sent from or received into the user's buffer), so that peers and directions "    \
+    "move at once; 0: the engine thread makes every call. -1: the cores per local rank "     \
+    "less one, at most 4 and one per peer (0 on hosts with a core or less per rank).")       \
   X(SOCKET_SNDBUF, "SOCKET_SNDBUF", "size", "0", 0,                                          \
     "SO_SNDBUF/SO_RCVBUF for data sockets; 0 leaves the kernel's autotuning.")              \
   X(ALGO, "ALGO", "string", "", 1,                                                            \
@@ -342,6 +347,9 @@ void socket_teardown(struct chorus_comm *comm);
  * on other ranks fail, once they have read what it sent, with this rank's reason instead of
  * at their timeout. Once. */
 void socket_abort_conns(struct chorus_comm *comm);
+/* Stops the rank's socket I/O threads for good (engine thread, or after it stopped): once it
+ * returns, no thread moves a user's buffer; later big payloads go by the engine. */
+void socket_stop_io(struct chorus_comm *comm);
 /* Connection setup messages (exposed for tests/fuzz/fuzz_wire.c). The acceptor checks a
  * complete hello (SOCK_HELLO_LEN bytes at h) against comm: NULL if acceptable, else the
  * reason (static text, or written into why). The connector checks the ack of peer on

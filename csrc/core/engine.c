@@ -589,7 +589,10 @@ static void *engine_main(void *arg) {
         }
       }
       /* verbs peers learn of the failure before the caller does (it may exit at once) */
-      if (res != CHORUS_SUCCESS) ib_abort_conns(comm);
+      if (res != CHORUS_SUCCESS) {
+        ib_abort_conns(comm);
+        socket_stop_io(comm); /* before op_finish hands the buffers back */
+      }
       pthread_mutex_lock(&comm->mu);
       comm->current = NULL;
       pthread_mutex_unlock(&comm->mu);
@@ -599,7 +602,10 @@ static void *engine_main(void *arg) {
     }
     if ((p2p_pending(comm) || conns_flushing(comm)) && !atomic_load(&comm->failed)) {
       chorus_result_t res = engine_poll(comm, NULL, &idle);
-      if (res != CHORUS_SUCCESS) p2p_fail_all(comm, res);
+      if (res != CHORUS_SUCCESS) {
+        socket_stop_io(comm);
+        p2p_fail_all(comm, res);
+      }
       continue;
     }
     if (stopping || atomic_load(&comm->aborted)) break;
@@ -628,6 +634,7 @@ static void *engine_main(void *arg) {
   }
   /* fail whatever is left (abort path) */
   chorus_result_t res = failed_result(comm);
+  socket_stop_io(comm);
   p2p_take_incoming(comm);
   p2p_fail_all(comm, res);
   pthread_mutex_lock(&comm->mu);
@@ -707,6 +714,7 @@ void engine_stop(struct chorus_comm *comm, int abort_now) {
     }
     comm->thread_started = 0;
   }
+  socket_stop_io(comm); /* its threads ring wake_fd */
   if (comm->wake_fd >= 0) close(comm->wake_fd);
   comm->wake_fd = -1;
   free(comm->p2p_send);

@@ -2,7 +2,9 @@
  * through the built-in TCP rendezvous on 127.0.0.1 and run every collective and
  * point-to-point op over shared memory and over sockets, checking values; then a world
  * and the dead-peer check again with spinning waits (CHORUS_SPIN_COUNT=2000), the path of
- * hosts with cores to spare. */
+ * hosts with cores to spare; then the socket worlds with I/O threads (CHORUS_SOCKET_THREADS,
+ * also off by default on small machines), and a peer that dies in the middle of big
+ * payloads those threads move both ways. */
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <stdio.h>
@@ -244,6 +246,68 @@ static int dead_peer_main(int rank, int port) {
   return ok ? 0 : 1;
 }
 
+/* Both ranks send each other 64 MiB at once (payloads an I/O thread moves); rank 1 exits a
+ * few milliseconds in. Rank 0's send and receive must both fail, naming rank 1, in seconds. */
+#define MID_BYTES ((size_t)64 << 20)
+static int dead_mid_payload_main(int rank, int port) {
+  g_rank = rank;
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+  chorus_bootstrap_t bs;
+  if (chorus_bootstrap_tcp(addr, rank, 2, 20000, &bs) != CHORUS_SUCCESS) return 1;
+  chorus_comm_t *c;
+  chorus_comm_options_t o = {20000, "dead-mid"};
+  if (chorus_comm_create(rank, 2, &bs, &o, &c) != CHORUS_SUCCESS) return 1;
+  uint8_t *sb = calloc(MID_BYTES, 1), *rb = malloc(MID_BYTES);
+  if (!sb || !rb) return 1;
+  chorus_request_t *req;
+  if (chorus_ibarrier(c, &req) != CHORUS_SUCCESS || run_req(req) != CHORUS_SUCCESS) return 1;
+  chorus_request_t *rs, *rr;
+  time_t t0 = time(NULL);
+  if (chorus_isend(c, sb, MID_BYTES, CHORUS_UINT8, 1 - rank, 3, &rs) != CHORUS_SUCCESS ||
+      chorus_irecv(c, rb, MID_BYTES, CHORUS_UINT8, 1 - rank, 3, &rr) != CHORUS_SUCCESS)
+    return 1;
+  if (rank == 1) {
+    usleep(3000);
+    _exit(0); /* mid-transfer: the kernel closes the sockets */
+  }
+  chorus_result_t r1 = chorus_wait(rs, -1), r2 = chorus_wait(rr, -1);
+  /* the send may have finished before rank 1 died (the kernel buffers a few MiB); the
+   * receive cannot have */
+  int ok = (r1 == CHORUS_SUCCESS || r1 == CHORUS_ERR_PEER) && r2 == CHORUS_ERR_PEER &&
+           time(NULL) - t0 < 10 && strstr(chorus_request_error(rr), "rank 1");
+  if (!ok)
+    fprintf(stderr, "dead peer mid-payload: send %d, receive %d after %lds: %s\n", (int)r1,
+            (int)r2, (long)(time(NULL) - t0), chorus_request_error(rr));
+  chorus_request_free(rs);
+  chorus_request_free(rr);
+  chorus_comm_destroy(c);
+  free(sb);
+  free(rb);
+  if (bs.release) bs.release(bs.ctx);
+  return ok ? 0 : 1;
+}
+
+static int run_dead_mid_payload(void) {
+  int port = free_port();
+  setenv("CHORUS_SHM_DISABLE", "1", 1);
+  fflush(stdout);
+  pid_t p0 = fork();
+  if (p0 == 0) {
+    int rc = dead_mid_payload_main(0, port);
+    if (getenv("TEST_CHILD_EXIT")) exit(rc);
+    _exit(rc);
+  }
+  pid_t p1 = fork();
+  if (p1 == 0) _exit(dead_mid_payload_main(1, port));
+  int st0, st1;
+  waitpid(p0, &st0, 0);
+  waitpid(p1, &st1, 0);
+  int bad = !WIFEXITED(st0) || WEXITSTATUS(st0) != 0;
+  printf("%s dead peer in the middle of big payloads noticed (socket)\n", bad ? "FAIL" : "ok  ");
+  return bad;
+}
+
 static int run_dead_peer(int shm) {
   int port = free_port();
   if (!shm) setenv("CHORUS_SHM_DISABLE", "1", 1);
@@ -316,6 +380,21 @@ int main(void) {
       else passed++;
     }
     unsetenv("CHORUS_SPIN_COUNT");
+    /* big socket payloads through I/O threads: 2 threads (3 and 4 ranks: one serves two
+     * peers), then 1 (one thread serves every peer, both directions) */
+    for (int t = 2; t >= 1; t--) {
+      char v[8];
+      snprintf(v, sizeof v, "%d", t);
+      setenv("CHORUS_SOCKET_THREADS", v, 1);
+      printf("with CHORUS_SOCKET_THREADS=%d:\n", t);
+      for (int n = 2; n <= 4; n++) {
+        if (run_world(n, 0)) failed++;
+        else passed++;
+      }
+      if (run_dead_mid_payload()) failed++;
+      else passed++;
+    }
+    unsetenv("CHORUS_SOCKET_THREADS");
   }
   printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;

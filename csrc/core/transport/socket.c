@@ -14,6 +14,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,6 +22,7 @@
 #include <sys/epoll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/eventfd.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -45,6 +47,9 @@
 #define FLUSH_WAIT_MS 1000        /* a failing rank's last try to send what it still holds */
 #define REFUSED_RETRY_MS 5000     /* the peer listens before the all-gather; refusals are
                                      retried only briefly (e.g. SYN races), not forever */
+#define IO_MIN ((size_t)256 << 10) /* direct payloads handed to an I/O thread from here */
+#define IO_MAX 8                  /* I/O threads per rank */
+#define IO_SPIN_NS 200000LL       /* an idle I/O thread spins this long before it sleeps */
 #define RING_MIN (64u << 10)
 #define RING_MAX ((size_t)1 << 30)
 
@@ -55,6 +60,33 @@ union sockaddr_any {
   struct sockaddr_storage ss;
 };
 
+/* A big direct payload whose system calls an I/O thread makes (see "I/O threads"). The
+ * engine fills it and publishes it ACTIVE; the thread moves bytes, publishing done, and
+ * sets DONE at the end or on an error; the engine reads the result and sets IDLE. */
+enum { JOB_IDLE = 0, JOB_ACTIVE = 1, JOB_DONE = 2 };
+struct sock_job {
+  _Atomic int state;
+  int fd;
+  int is_recv;
+  uint8_t *buf;
+  size_t n;
+  _Atomic size_t done;       /* bytes of buf moved (thread writes, engine reads) */
+  int err;                   /* at DONE: 0, an errno, or -1 for the peer's EOF */
+  size_t reported;           /* engine only: bytes of done already returned to the caller */
+  struct sock_job *next;     /* in the thread's posted or active list */
+};
+
+struct sock_io {
+  struct chorus_comm *comm;
+  pthread_t thread;
+  int efd;                   /* eventfd: a job was posted, or stop */
+  pthread_mutex_t mu;
+  struct sock_job *posted;   /* mu: posted, not yet taken by the thread */
+  _Atomic int nposted;       /* posted is not empty (read without mu) */
+  int sleeping;              /* mu: the thread is about to block in poll() */
+  _Atomic int stop;
+};
+
 struct sock_state {
   int listen_fd;             /* -1 once closed */
   int aborted;               /* socket_abort_conns ran */
@@ -63,6 +95,9 @@ struct sock_state {
   uint16_t port;
   char addr[ADDR_LEN];       /* advertised "ip:port" */
   char ifname[IF_NAMESIZE];
+  /* I/O threads: nio wanted (0: none), started lazily at the first big payload */
+  int nio, io_started, io_next, io_stopped;
+  struct sock_io io[IO_MAX];
 };
 
 /* One TCP connection of a striped connection. The byte stream of each direction is cut
@@ -96,6 +131,9 @@ struct sock_conn {
   int direct_rx;             /* a direct read is unfinished: progress leaves recv to it */
   int eof_probed;            /* after EOF, the store was asked whether the peer failed */
   int peer_failed;           /* ... and it had: at collective peer_failed_seq (0: at once) */
+  int io;                    /* index of the I/O thread serving this connection, -1: none */
+  struct sock_job txj, rxj;  /* direct payloads an I/O thread moves ... */
+  int tx_job, rx_job;        /* ... while these are set (engine's view) */
   uint64_t peer_failed_seq;
   chorus_result_t err;       /* sticky: reported once through comm_set_error */
   char peer_addr[ADDR_LEN + 80]; /* for messages: advertised address and host name */
@@ -372,6 +410,7 @@ static chorus_result_t conn_new(struct chorus_comm *comm, int fd, int peer, int 
     s->fd = fd;
     s->nready = 1;
   }
+  s->io = -1;
   /* Name the peer by what identifies it (its listening address and host), not by the
    * ephemeral port an accepted socket shows. */
   const struct peer_info *pi = comm->peers ? &comm->peers[peer] : NULL;
@@ -454,6 +493,247 @@ static int ring_iov(uint8_t *ring, size_t size, uint64_t pos, size_t len, struct
   iov[1].iov_base = ring;
   iov[1].iov_len = len - first;
   return 2;
+}
+
+/* ------------------------------------------------------------ I/O threads
+ *
+ * One engine thread per rank makes every system call of its connections; sending and
+ * receiving a big payload then take turns on one core, and the kernel's copies (user to
+ * socket buffer and back) are most of the work. Where the host has cores to spare
+ * (CHORUS_SOCKET_THREADS), direct payloads of IO_MIN bytes or more are handed to a few
+ * helper threads of the rank instead: a connection is served by one of them (round robin
+ * at its first big payload), so different peers and the two directions of one peer move at
+ * once while the engine runs the algorithm, reduces, and moves everything small itself.
+ * A thread never blocks on one payload: it makes non-blocking calls for all its jobs and
+ * polls their sockets together, so ranks that send to each other cannot deadlock it. */
+static void cpu_pause(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+static void *io_main(void *arg) {
+  struct sock_io *io = arg;
+  struct sock_job *act = NULL; /* jobs taken from posted, still moving */
+  struct pollfd *pfd = NULL;
+  size_t pcap = 0;
+  int64_t idle_since = now_ns();
+  while (!atomic_load_explicit(&io->stop, memory_order_acquire)) {
+    if (atomic_load_explicit(&io->nposted, memory_order_acquire)) {
+      pthread_mutex_lock(&io->mu);
+      while (io->posted) {
+        struct sock_job *j = io->posted;
+        io->posted = j->next;
+        j->next = act;
+        act = j;
+      }
+      atomic_store_explicit(&io->nposted, 0, memory_order_relaxed);
+      pthread_mutex_unlock(&io->mu);
+    }
+    int moved = 0, finished = 0;
+    size_t nact = 0;
+    for (struct sock_job **pp = &act; *pp;) {
+      struct sock_job *j = *pp;
+      size_t done = atomic_load_explicit(&j->done, memory_order_relaxed);
+      ssize_t r = j->is_recv ? recv(j->fd, j->buf + done, j->n - done, MSG_DONTWAIT)
+                             : send(j->fd, j->buf + done, j->n - done, MSG_NOSIGNAL | MSG_DONTWAIT);
+      int err = 0;
+      if (r > 0) {
+        done += (size_t)r;
+        atomic_store_explicit(&j->done, done, memory_order_release);
+        moved = 1;
+      } else if (r == 0) {
+        err = -1; /* recv: the peer closed (a send of a non-empty range never returns 0) */
+      } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+        err = errno;
+      }
+      if (done == j->n || err) {
+        j->err = err;
+        *pp = j->next; /* read before DONE: the engine may reuse j at once */
+        j->next = NULL;
+        atomic_store_explicit(&j->state, JOB_DONE, memory_order_release);
+        finished = 1;
+        continue;
+      }
+      nact++;
+      pp = &j->next;
+    }
+    if (finished) engine_wake(io->comm);
+    if (moved || finished) {
+      idle_since = now_ns();
+      continue;
+    }
+    if (!act && now_ns() - idle_since < IO_SPIN_NS) {
+      cpu_pause();
+      continue;
+    }
+    if (nact + 1 > pcap) {
+      size_t cap = (nact + 1) * 2;
+      struct pollfd *np = realloc(pfd, cap * sizeof *np);
+      if (np) {
+        pfd = np;
+        pcap = cap;
+      }
+    }
+    nfds_t n = 0;
+    if (pfd && nact + 1 <= pcap) {
+      for (struct sock_job *j = act; j; j = j->next)
+        pfd[n++] = (struct pollfd){j->fd, (short)(j->is_recv ? POLLIN : POLLOUT), 0};
+      pfd[n++] = (struct pollfd){io->efd, POLLIN, 0};
+    }
+    pthread_mutex_lock(&io->mu);
+    int sleep_now = !io->posted && !atomic_load(&io->stop);
+    if (sleep_now) io->sleeping = 1;
+    pthread_mutex_unlock(&io->mu);
+    if (!sleep_now) continue;
+    if (n) {
+      /* a bounded wait: a missed wake-up costs at most this */
+      if (poll(pfd, n, act ? 100 : 1000) > 0 && (pfd[n - 1].revents & POLLIN)) {
+        uint64_t v;
+        ssize_t rd = read(io->efd, &v, sizeof v);
+        (void)rd;
+      }
+    } else {
+      sleep_ms(1); /* no memory for the poll set: retry shortly */
+    }
+    pthread_mutex_lock(&io->mu);
+    io->sleeping = 0;
+    pthread_mutex_unlock(&io->mu);
+  }
+  /* Stopped (the communicator failed or is going away): whatever is left will not move. */
+  pthread_mutex_lock(&io->mu);
+  while (io->posted) {
+    struct sock_job *j = io->posted;
+    io->posted = j->next;
+    j->next = act;
+    act = j;
+  }
+  pthread_mutex_unlock(&io->mu);
+  while (act) {
+    struct sock_job *j = act;
+    act = j->next;
+    j->next = NULL;
+    j->err = ECANCELED;
+    atomic_store_explicit(&j->state, JOB_DONE, memory_order_release);
+  }
+  free(pfd);
+  return NULL;
+}
+
+/* CHORUS_SOCKET_THREADS, or by default one per core this rank has beyond the engine's
+ * (the host's cores over its local ranks, less one), at most one per peer and 4. */
+static int io_threads_for(const struct chorus_comm *comm, int peers) {
+  int64_t v = param_int(PARAM_SOCKET_THREADS);
+  if (v < 0) {
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    int local = comm->nlocal > 0 ? comm->nlocal : 1;
+    v = cores / local - 1;
+    if (v > 4) v = 4;
+  }
+  if (v > peers) v = peers;
+  if (v > IO_MAX) v = IO_MAX;
+  return v > 0 ? (int)v : 0;
+}
+
+/* Starts the rank's I/O threads (first big payload); 0 if there are none to use. */
+static int io_ready(struct chorus_comm *comm) {
+  struct sock_state *st = comm->sock;
+  if (st->io_started) return 1;
+  if (st->io_stopped || st->nio <= 0) return 0;
+  sigset_t all, old;
+  sigfillset(&all);
+  int masked = pthread_sigmask(SIG_SETMASK, &all, &old) == 0; /* signals stay with the app */
+  int started = 0;
+  for (int i = 0; i < st->nio; i++) {
+    struct sock_io *io = &st->io[i];
+    memset(io, 0, sizeof *io);
+    io->comm = comm;
+    io->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (io->efd < 0) break;
+    pthread_mutex_init(&io->mu, NULL);
+    if (pthread_create(&io->thread, NULL, io_main, io) != 0) {
+      pthread_mutex_destroy(&io->mu);
+      close(io->efd);
+      break;
+    }
+    pthread_setname_np(io->thread, "chorus-sockio");
+    started++;
+  }
+  if (masked) pthread_sigmask(SIG_SETMASK, &old, NULL);
+  INFO(SUB_NET, comm->rank, "socket: started %d of %d I/O threads", started, st->nio);
+  st->nio = started;
+  st->io_started = started;
+  if (!started) st->io_stopped = 1;
+  return started > 0;
+}
+
+/* Hands the direct payload [buf, buf + n) of s to its I/O thread; 0 if it stays with the
+ * engine (no threads, or too small). */
+static int io_wanted(struct sock_conn *s, size_t n) {
+  struct chorus_comm *comm = s->base.comm;
+  return n >= IO_MIN && s->nsub == 1 && comm->sock && io_ready(comm);
+}
+
+static int io_post(struct sock_conn *s, struct sock_job *j, int is_recv, void *buf, size_t n) {
+  struct chorus_comm *comm = s->base.comm;
+  if (!io_wanted(s, n)) return 0;
+  struct sock_state *st = comm->sock;
+  if (s->io < 0) s->io = st->io_next++ % st->io_started;
+  struct sock_io *io = &st->io[s->io];
+  j->fd = s->fd;
+  j->is_recv = is_recv;
+  j->buf = buf;
+  j->n = n;
+  j->err = 0;
+  j->reported = 0;
+  atomic_store_explicit(&j->done, 0, memory_order_relaxed);
+  atomic_store_explicit(&j->state, JOB_ACTIVE, memory_order_relaxed);
+  pthread_mutex_lock(&io->mu);
+  j->next = io->posted;
+  io->posted = j;
+  atomic_store_explicit(&io->nposted, 1, memory_order_release);
+  int wake = io->sleeping;
+  pthread_mutex_unlock(&io->mu);
+  if (wake) {
+    uint64_t one = 1;
+    ssize_t w = write(io->efd, &one, sizeof one);
+    (void)w;
+  }
+  return 1;
+}
+
+/* Engine: what the I/O thread did for j since the last call (*delta bytes); 1 once the job
+ * has ended, with *err its error (0, an errno, or -1 for EOF), and j is idle again. */
+static int io_collect(struct sock_job *j, size_t *delta, int *err) {
+  int state = atomic_load_explicit(&j->state, memory_order_acquire);
+  size_t d = atomic_load_explicit(&j->done, memory_order_acquire);
+  /* The last byte counts only once the thread has let go of j (DONE): the caller's next
+   * payload may reuse j as soon as this one looks finished. */
+  if (state != JOB_DONE && d == j->n) d--;
+  *delta = d - j->reported;
+  j->reported = d;
+  if (state != JOB_DONE) return 0;
+  *err = j->err;
+  atomic_store_explicit(&j->state, JOB_IDLE, memory_order_relaxed);
+  return 1;
+}
+
+void socket_stop_io(struct chorus_comm *comm) {
+  struct sock_state *st = comm ? comm->sock : NULL;
+  if (!st) return;
+  st->io_stopped = 1;
+  for (int i = 0; i < st->io_started; i++) {
+    atomic_store(&st->io[i].stop, 1);
+    uint64_t one = 1;
+    ssize_t w = write(st->io[i].efd, &one, sizeof one);
+    (void)w;
+  }
+  for (int i = 0; i < st->io_started; i++) {
+    pthread_join(st->io[i].thread, NULL);
+    close(st->io[i].efd);
+    pthread_mutex_destroy(&st->io[i].mu);
+  }
+  st->io_started = 0;
 }
 
 static chorus_result_t sock_reserve(conn_t *c, void **ptr, size_t *len) {
@@ -701,7 +981,7 @@ static chorus_result_t sock_progress(conn_t *c, int *progressed) {
     CHECK(striped_send(s, &moved));
     CHECK(striped_recv(s, &moved));
   } else {
-    if (pending) {
+    if (pending && !s->tx_job) {
       struct msghdr mh = {0};
       mh.msg_iov = iov;
       mh.msg_iovlen = (size_t)ring_iov(s->tx, s->size, s->tx_head, pending, iov);
@@ -714,7 +994,7 @@ static chorus_result_t sock_progress(conn_t *c, int *progressed) {
       }
     }
 
-    if (!s->eof && !(s->direct_rx && s->rx_head == s->rx_tail)) {
+    if (!s->eof && !s->rx_job && !(s->direct_rx && s->rx_head == s->rx_tail)) {
       /* Restart an empty ring near offset 0 but keep index == stream position mod 16: the
        * ring end must stay a 16-byte boundary of the stream so no element straddles it. */
       if (s->rx_head == s->rx_tail) s->rx_head = s->rx_tail = s->rx_tail % 16;
@@ -764,8 +1044,10 @@ static int sock_pollfd(conn_t *c, struct pollfd *pfd) {
   pfd->events = 0;
   pfd->revents = 0;
   /* After EOF, POLLIN would spin; but a starving reader must wake to see the error. */
-  if (s->eof ? s->starving : s->rx_tail - s->rx_head < s->size) pfd->events |= POLLIN;
-  if (s->tx_tail != s->tx_head || s->direct_tx) pfd->events |= POLLOUT;
+  /* an I/O thread polls for the direction it moves (and wakes the engine when done) */
+  if (!s->rx_job && (s->eof ? s->starving : s->rx_tail - s->rx_head < s->size))
+    pfd->events |= POLLIN;
+  if (!s->tx_job && (s->tx_tail != s->tx_head || s->direct_tx)) pfd->events |= POLLOUT;
   return 1;
 }
 
@@ -774,8 +1056,49 @@ static chorus_result_t sock_write_direct(conn_t *c, const void *src, size_t n, s
   struct sock_conn *s = (struct sock_conn *)c;
   *wrote = 0;
   if (s->err) return s->err;
+  if (s->tx_job) {
+    if ((const uint8_t *)src != s->txj.buf + s->txj.reported)
+      return comm_set_error(c->comm, CHORUS_ERR_INTERNAL, "rank %d peer %d: direct send "
+                            "changed its buffer while an I/O thread sent it", c->comm->rank,
+                            c->peer);
+    size_t d = 0;
+    int e = 0;
+    int ended = io_collect(&s->txj, &d, &e);
+    if (d) {
+      *wrote = d;
+      s->tx_head = s->tx_tail = s->tx_tail + d;
+      *progressed = 1;
+    }
+    if (ended) {
+      s->tx_job = 0;
+      if (e) return conn_fail(s, e > 0 ? e : EPIPE, "send");
+    }
+    return CHORUS_SUCCESS;
+  }
   struct iovec iov[3];
   size_t pending = (size_t)(s->tx_tail - s->tx_head);
+  if (io_wanted(s, n)) {
+    /* the ring's bytes (the message header) first, then the payload by the thread */
+    if (pending) {
+      struct msghdr mh = {0};
+      mh.msg_iov = iov;
+      mh.msg_iovlen = (size_t)ring_iov(s->tx, s->size, s->tx_head, pending, iov);
+      ssize_t r = sendmsg(s->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+        return conn_fail(s, errno, "send");
+      if (r > 0) {
+        s->tx_head += (uint64_t)r;
+        *progressed = 1;
+      }
+      s->direct_tx = s->tx_head != s->tx_tail;
+      if (s->direct_tx) return CHORUS_SUCCESS;
+    }
+    if (io_post(s, &s->txj, 0, (void *)src, n)) {
+      s->tx_job = 1;
+      s->direct_tx = 0; /* the thread polls the socket, not the engine */
+      return CHORUS_SUCCESS;
+    }
+  }
   int k = pending ? ring_iov(s->tx, s->size, s->tx_head, pending, iov) : 0;
   iov[k].iov_base = (void *)src;
   iov[k].iov_len = n;
@@ -805,10 +1128,41 @@ static chorus_result_t sock_read_direct(conn_t *c, void *dst, size_t n, size_t *
   struct sock_conn *s = (struct sock_conn *)c;
   *got = 0;
   if (s->err) return s->err;
+  if (s->rx_job) {
+    if ((uint8_t *)dst != s->rxj.buf + s->rxj.reported)
+      return comm_set_error(c->comm, CHORUS_ERR_INTERNAL, "rank %d peer %d: direct receive "
+                            "changed its buffer while an I/O thread received it",
+                            c->comm->rank, c->peer);
+    size_t d = 0;
+    int e = 0;
+    int ended = io_collect(&s->rxj, &d, &e);
+    if (d) {
+      *got = d;
+      s->rx_head = s->rx_tail = s->rx_tail + d;
+      *progressed = 1;
+    }
+    if (ended) {
+      s->rx_job = 0;
+      s->direct_rx = 0;
+      if (e < 0) {
+        s->eof = 1;
+        s->starving = 1;
+        return conn_fail(s, 0, "recv");
+      }
+      if (e) return conn_fail(s, e, "recv");
+    }
+    return CHORUS_SUCCESS;
+  }
   if (s->rx_tail != s->rx_head) return CHORUS_SUCCESS; /* buffered bytes come first */
   if (s->eof) {
     s->starving = 1;
     return conn_fail(s, 0, "recv");
+  }
+  if (io_post(s, &s->rxj, 1, dst, n)) {
+    s->rx_job = 1;
+    s->direct_rx = 1; /* progress() leaves the socket's bytes to the thread */
+    s->starving = 0;
+    return CHORUS_SUCCESS;
   }
   /* dst first, then the whole (empty) ring from the stream position after dst */
   struct iovec iov[3];
@@ -847,6 +1201,7 @@ static chorus_result_t sock_read_direct(conn_t *c, void *dst, size_t n, size_t *
 static void sock_close(conn_t *c) {
   struct sock_conn *s = (struct sock_conn *)c;
   if (!s) return;
+  if (s->tx_job || s->rx_job) socket_stop_io(c->comm); /* no thread may touch s after */
   if (s->fd >= 0 && close(s->fd) != 0)
     TRACE(SUB_NET, c->comm ? c->comm->rank : -1, "socket: close: %s", strerror(errno));
   s->fd = -1;
@@ -1445,14 +1800,21 @@ chorus_result_t socket_connect_all(struct chorus_comm *comm) {
       CHECK_GOTO(wait_ack((struct sock_conn *)c, deadline), res, done);
     }
   INFO(SUB_NET, me, "socket: %d connections established", nconnect + naccept);
+  int single = 0; /* peers over one TCP connection per channel: what I/O threads serve */
   for (int p = 0; p < n; p++) {
     const struct sock_conn *s = (const struct sock_conn *)comm->conns[CHAN_COLL][p];
     if (p == me || !need[(size_t)p * CHAN_COUNT + CHAN_COLL] || !is_sock(&s->base)) continue;
+    single += s->nsub == 1;
     if (s->nsub > 1)
       INFO(SUB_NET, me, "socket: peer %d (%s): %d TCP connections per channel, striped in "
            "%llu-byte chunks", p, s->peer_addr, s->nsub, (unsigned long long)s->chunk);
     else
       INFO(SUB_NET, me, "socket: peer %d (%s): 1 TCP connection per channel", p, s->peer_addr);
+  }
+  if (st && single) {
+    st->nio = io_threads_for(comm, single);
+    INFO(SUB_NET, me, "socket: %d I/O thread%s for payloads of %zu bytes or more", st->nio,
+         st->nio == 1 ? "" : "s", IO_MIN);
   }
 done:
   free(need);
@@ -1500,6 +1862,7 @@ static void flush_tx(struct sock_conn *s, int64_t deadline) {
 void socket_abort_conns(struct chorus_comm *comm) {
   if (!comm->sock || comm->sock->aborted) return;
   comm->sock->aborted = 1;
+  socket_stop_io(comm); /* nothing moves a user's buffer after its operation fails */
   int any = 0;
   for (int ch = 0; ch < CHAN_COUNT; ch++)
     for (int p = 0; comm->conns[ch] && p < comm->nranks; p++)
@@ -1542,6 +1905,7 @@ void socket_abort_conns(struct chorus_comm *comm) {
 void socket_teardown(struct chorus_comm *comm) {
   if (!comm || !comm->sock) return;
   struct sock_state *st = comm->sock;
+  socket_stop_io(comm);
   if (st->listen_fd >= 0 && close(st->listen_fd) != 0)
     TRACE(SUB_NET, comm->rank, "socket: closing the listener: %s", strerror(errno));
   free(st);
