@@ -277,6 +277,11 @@ struct transport_ops {
   chorus_result_t (*write_direct)(conn_t *c, const void *src, size_t n, size_t *wrote,
                                   int *progressed);
   chorus_result_t (*read_direct)(conn_t *c, void *dst, size_t n, size_t *got, int *progressed);
+  /* Optional hint: the next n bytes of the incoming stream are one payload that will be
+   * read through peek/consume (a reducing receive). Sockets with I/O threads receive it
+   * into a buffer of the connection on a thread; peek then returns those bytes as they
+   * arrive. Never fails the connection by itself. */
+  chorus_result_t (*stage)(conn_t *c, size_t n);
 };
 struct conn {
   const struct transport_ops *ops;
@@ -577,6 +582,8 @@ struct msg_rx {
   size_t len, pos;           /* payload bytes expected / consumed */
   int hdr_ok, done;
   int direct;                /* the payload comes by read_direct, to its end */
+  int stage;                 /* read through peek: offer the payload to ops->stage ... */
+  int staged;                /* ... once (done) */
 };
 void msg_tx_init(struct msg_tx *tx, conn_t *c, const struct op *op, const void *buf, size_t len);
 void msg_rx_init(struct msg_rx *rx, conn_t *c, const struct op *op, size_t len);

@@ -188,6 +188,10 @@ chorus_result_t msg_rx_peek(struct msg_rx *rx, const void **ptr, size_t *len) {
   CHECK(ensure_header(rx, &ready));
   if (!ready) return CHORUS_SUCCESS;
   if (rx->pos >= rx->len) return finish_payload(rx);
+  if (rx->stage && !rx->staged) {
+    rx->staged = 1;
+    if (rx->pos == 0 && rx->c->ops->stage) CHECK(rx->c->ops->stage(rx->c, rx->len));
+  }
   size_t avail;
   CHECK(rx->c->ops->peek(rx->c, ptr, &avail));
   size_t rem = rx->len - rx->pos;

@@ -45,6 +45,10 @@ __attribute__((weak)) const char *param_str(enum param_id id) {
   return "";
 }
 
+/* engine.c: the socket transport's I/O threads ring the engine when a payload is done;
+ * without an engine there is nobody to wake (callers here poll). */
+__attribute__((weak)) void engine_wake(struct chorus_comm *comm) { (void)comm; }
+
 /* socket.c (linked for ifname_matches) reports errors through this. */
 __attribute__((weak)) chorus_result_t comm_set_error(struct chorus_comm *comm,
                                                      chorus_result_t res, const char *fmt, ...) {

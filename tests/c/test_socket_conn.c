@@ -21,6 +21,10 @@
 
 #include "core.h"
 
+/* engine.c: the socket transport's I/O threads ring the engine when a payload is done;
+ * without an engine there is nobody to wake (callers here poll). */
+__attribute__((weak)) void engine_wake(struct chorus_comm *comm) { (void)comm; }
+
 /* Weak stand-ins for comm.c, log.c and param.c (real definitions win when linked). */
 __attribute__((weak)) chorus_result_t comm_set_error(struct chorus_comm *comm,
                                                      chorus_result_t res, const char *fmt, ...) {

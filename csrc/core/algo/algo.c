@@ -54,6 +54,7 @@ chorus_result_t reduce_from_peers(struct chorus_comm *comm, struct op *op, struc
   size_t pos = 0;
   int idle = 0;
   chorus_result_t res = CHORUS_SUCCESS;
+  for (int k = 0; k < nin; k++) rx[k].stage = k != self_pos; /* read through peek */
   for (;;) {
     int progressed = 0, pending = 0;
     for (int i = 0; i < ntx; i++) {
@@ -159,6 +160,7 @@ void sched_reduce_add(struct sched_step *s, int red, int peer) {
     return;
   }
   msg_rx_init(&r->rx[r->nrx], member_conn(s, peer), s->op, r->count * dtype_size(s->op->dtype));
+  r->rx[r->nrx].stage = 1;
   s->rxq[s->nrxq++] = &r->rx[r->nrx++];
 }
 

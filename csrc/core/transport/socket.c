@@ -50,6 +50,8 @@
 #define IO_MIN ((size_t)256 << 10) /* direct payloads handed to an I/O thread from here */
 #define IO_MAX 8                  /* I/O threads per rank */
 #define IO_SPIN_NS 200000LL       /* an idle I/O thread spins this long before it sleeps */
+#define STAGE_MAX ((size_t)64 << 20)   /* largest reducing payload staged by an I/O thread */
+#define STAGE_TOTAL ((size_t)256 << 20) /* staging buffers of a rank, all connections */
 #define RING_MIN (64u << 10)
 #define RING_MAX ((size_t)1 << 30)
 
@@ -97,6 +99,7 @@ struct sock_state {
   char ifname[IF_NAMESIZE];
   /* I/O threads: nio wanted (0: none), started lazily at the first big payload */
   int nio, io_started, io_next, io_stopped;
+  size_t stage_total;        /* bytes of the connections' staging buffers */
   struct sock_io io[IO_MAX];
 };
 
@@ -134,6 +137,11 @@ struct sock_conn {
   int io;                    /* index of the I/O thread serving this connection, -1: none */
   struct sock_job txj, rxj;  /* direct payloads an I/O thread moves ... */
   int tx_job, rx_job;        /* ... while these are set (engine's view) */
+  /* A staged payload (sock_stage): rxj receives it into stage; peek and consume serve it
+   * once the ring's bytes before it are consumed. */
+  int staging;
+  uint8_t *stage;
+  size_t stage_cap, stage_len, stage_got, stage_pos;
   uint64_t peer_failed_seq;
   chorus_result_t err;       /* sticky: reported once through comm_set_error */
   char peer_addr[ADDR_LEN + 80]; /* for messages: advertised address and host name */
@@ -635,6 +643,15 @@ static int io_threads_for(const struct chorus_comm *comm, int peers) {
   return v > 0 ? (int)v : 0;
 }
 
+/* How far ahead of the reader progress() fills the receive ring: all of it, or with I/O
+ * threads IO_MIN bytes, so that the rest of a big payload waits in the kernel until its
+ * message is read and a thread receives it (read_direct, stage) instead of the engine. */
+static size_t rx_window(const struct sock_conn *s) {
+  const struct sock_state *st = s->base.comm->sock;
+  if (s->nsub == 1 && st && st->nio > 0 && !st->io_stopped && s->size > IO_MIN) return IO_MIN;
+  return s->size;
+}
+
 /* Starts the rank's I/O threads (first big payload); 0 if there are none to use. */
 static int io_ready(struct chorus_comm *comm) {
   struct sock_state *st = comm->sock;
@@ -763,8 +780,41 @@ static chorus_result_t sock_commit(conn_t *c, size_t len) {
   return CHORUS_SUCCESS;
 }
 
+/* Collects the staging job's progress; clears staging once all of it is consumed. */
+static chorus_result_t stage_collect(struct sock_conn *s) {
+  if (s->rx_job) {
+    size_t d = 0;
+    int e = 0;
+    int ended = io_collect(&s->rxj, &d, &e);
+    s->stage_got += d;
+    if (ended) {
+      s->rx_job = 0;
+      if (e < 0) {
+        s->eof = 1;
+        s->starving = 1;
+        return conn_fail(s, 0, "recv");
+      }
+      if (e) return conn_fail(s, e, "recv");
+    }
+  }
+  if (!s->rx_job && s->stage_pos == s->stage_len) s->staging = 0;
+  return CHORUS_SUCCESS;
+}
+
 static chorus_result_t sock_peek(conn_t *c, const void **ptr, size_t *len) {
   struct sock_conn *s = (struct sock_conn *)c;
+  if (s->staging && s->rx_tail == s->rx_head) {
+    *ptr = NULL;
+    *len = 0;
+    if (s->err) return s->err;
+    CHECK(stage_collect(s));
+    if (s->staging) {
+      *ptr = s->stage + s->stage_pos;
+      *len = s->stage_got - s->stage_pos;
+      s->starving = 0; /* the thread reads the socket */
+      return CHORUS_SUCCESS;
+    }
+  }
   size_t avail = (size_t)(s->rx_tail - s->rx_head);
   size_t idx = (size_t)(s->rx_head % s->size);
   size_t contig = s->size - idx;
@@ -776,6 +826,16 @@ static chorus_result_t sock_peek(conn_t *c, const void **ptr, size_t *len) {
 
 static chorus_result_t sock_consume(conn_t *c, size_t len) {
   struct sock_conn *s = (struct sock_conn *)c;
+  if (s->staging && s->rx_tail == s->rx_head && len) {
+    if (len > s->stage_got - s->stage_pos)
+      return comm_set_error(c->comm, CHORUS_ERR_INTERNAL,
+                            "rank %d peer %d: socket consume of %zu bytes exceeds the %zu "
+                            "staged", c->comm->rank, c->peer, len, s->stage_got - s->stage_pos);
+    s->stage_pos += len;
+    s->rx_head = s->rx_tail = s->rx_tail + len; /* the stream moved on past them */
+    if (!s->rx_job && s->stage_pos == s->stage_len) s->staging = 0;
+    return CHORUS_SUCCESS;
+  }
   if (len > s->rx_tail - s->rx_head)
     return comm_set_error(c->comm, CHORUS_ERR_INTERNAL,
                           "rank %d peer %d: socket consume of %zu bytes exceeds the %llu "
@@ -994,11 +1054,12 @@ static chorus_result_t sock_progress(conn_t *c, int *progressed) {
       }
     }
 
-    if (!s->eof && !s->rx_job && !(s->direct_rx && s->rx_head == s->rx_tail)) {
+    if (!s->eof && !s->rx_job && !s->staging && !(s->direct_rx && s->rx_head == s->rx_tail)) {
       /* Restart an empty ring near offset 0 but keep index == stream position mod 16: the
        * ring end must stay a 16-byte boundary of the stream so no element straddles it. */
       if (s->rx_head == s->rx_tail) s->rx_head = s->rx_tail = s->rx_tail % 16;
-      size_t space = s->size - (size_t)(s->rx_tail - s->rx_head);
+      size_t used = (size_t)(s->rx_tail - s->rx_head), win = rx_window(s);
+      size_t space = used < win ? win - used : 0;
       if (space) {
         struct msghdr mh = {0};
         mh.msg_iov = iov;
@@ -1045,7 +1106,7 @@ static int sock_pollfd(conn_t *c, struct pollfd *pfd) {
   pfd->revents = 0;
   /* After EOF, POLLIN would spin; but a starving reader must wake to see the error. */
   /* an I/O thread polls for the direction it moves (and wakes the engine when done) */
-  if (!s->rx_job && (s->eof ? s->starving : s->rx_tail - s->rx_head < s->size))
+  if (!s->rx_job && !s->staging && (s->eof ? s->starving : s->rx_tail - s->rx_head < rx_window(s)))
     pfd->events |= POLLIN;
   if (!s->tx_job && (s->tx_tail != s->tx_head || s->direct_tx)) pfd->events |= POLLOUT;
   return 1;
@@ -1128,6 +1189,7 @@ static chorus_result_t sock_read_direct(conn_t *c, void *dst, size_t n, size_t *
   struct sock_conn *s = (struct sock_conn *)c;
   *got = 0;
   if (s->err) return s->err;
+  if (s->staging) return CHORUS_SUCCESS; /* staged bytes come first, through peek */
   if (s->rx_job) {
     if ((uint8_t *)dst != s->rxj.buf + s->rxj.reported)
       return comm_set_error(c->comm, CHORUS_ERR_INTERNAL, "rank %d peer %d: direct receive "
@@ -1197,6 +1259,44 @@ static chorus_result_t sock_read_direct(conn_t *c, void *dst, size_t n, size_t *
   return CHORUS_SUCCESS;
 }
 
+/* ops->stage: the next n stream bytes are a payload read through peek. Whatever of it the
+ * ring does not hold yet goes to an I/O thread, which receives it into the connection's
+ * staging buffer while the engine reduces what has arrived (the engine would otherwise
+ * make those receive calls itself between reductions). */
+static chorus_result_t sock_stage(conn_t *c, size_t n) {
+  struct sock_conn *s = (struct sock_conn *)c;
+  if (s->err || s->staging || s->rx_job || s->eof || s->direct_rx) return CHORUS_SUCCESS;
+  size_t have = (size_t)(s->rx_tail - s->rx_head);
+  if (have >= n) return CHORUS_SUCCESS;
+  /* The payload starts on a 16-byte boundary of the stream and the ring keeps index ==
+   * stream position mod 16: the ring's last r bytes are an unfinished 16-byte group, which
+   * moves to the staging buffer's head so that no element straddles ring and stage. */
+  size_t r = (size_t)(s->rx_tail % 16);
+  if (r > have) r = have;
+  size_t need = n - (have - r) - r;
+  if (need > STAGE_MAX || !io_wanted(s, need)) return CHORUS_SUCCESS;
+  struct sock_state *st = c->comm->sock;
+  if (s->stage_cap < r + need) {
+    size_t cap = need + 16 < ((size_t)1 << 20) ? ((size_t)1 << 20) : need + 16;
+    if (st->stage_total - s->stage_cap + cap > STAGE_TOTAL) return CHORUS_SUCCESS;
+    uint8_t *b = malloc(cap); /* no realloc: the old bytes are not needed */
+    if (!b) return CHORUS_SUCCESS; /* the ring route works without it */
+    free(s->stage);
+    st->stage_total = st->stage_total - s->stage_cap + cap;
+    s->stage = b;
+    s->stage_cap = cap;
+  }
+  if (r) memcpy(s->stage, s->rx + (size_t)((s->rx_tail - r) % s->size), r);
+  if (!io_post(s, &s->rxj, 1, s->stage + r, need)) return CHORUS_SUCCESS;
+  s->rx_tail -= r;
+  s->rx_job = 1;
+  s->staging = 1;
+  s->stage_len = r + need;
+  s->stage_got = r;
+  s->stage_pos = 0;
+  return CHORUS_SUCCESS;
+}
+
 /* Frees the connection itself too: the caller must drop its pointer. */
 static void sock_close(conn_t *c) {
   struct sock_conn *s = (struct sock_conn *)c;
@@ -1210,6 +1310,8 @@ static void sock_close(conn_t *c) {
       TRACE(SUB_NET, c->comm ? c->comm->rank : -1, "socket: close: %s", strerror(errno));
   if (s->epfd >= 0 && close(s->epfd) != 0)
     TRACE(SUB_NET, c->comm ? c->comm->rank : -1, "socket: close: %s", strerror(errno));
+  if (s->stage && c->comm && c->comm->sock) c->comm->sock->stage_total -= s->stage_cap;
+  free(s->stage);
   free(s->sub);
   free(s->tx);
   free(s->rx);
@@ -1227,6 +1329,7 @@ static const struct transport_ops sock_ops = {
     .close = sock_close,
     .write_direct = sock_write_direct,
     .read_direct = sock_read_direct,
+    .stage = sock_stage,
 };
 
 /* Striped connections send large payloads straight from the caller's buffer but receive
