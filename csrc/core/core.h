@@ -93,7 +93,7 @@ int chorus_log_enabled(int level, int subsys);
     "by IPC events: no host copy, and no rank's host waits for the GPU. 0: the IPC scratch "   \
     "or staged paths.")                                                                     \
   X(SOCKET_THREADS, "SOCKET_THREADS", "int", "-1", 0,                                      \
-    "Helper threads per rank that make the system calls of socket payloads of 256 KiB or "  \
+    "Helper threads per rank that make the system calls of socket payloads of 1 MiB or "  \
     "more (sent from or received into the user's buffer), so that peers and directions "    \
     "move at once; 0: the engine thread makes every call. -1: the cores per local rank "     \
     "less one, at most 4 and one per peer (0 on hosts with a core or less per rank).")       \

@@ -203,6 +203,9 @@ static int rank_main(int rank, int n, int port) {
   }
   size_t sizes[] = {0, 1, 7, 4099, 300000};
   for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) check_allreduce(c, n, sizes[i]);
+  /* with socket I/O threads: slices of 1.5 MiB and more, which the threads send, receive
+   * straight into the output, or stage for the reduction */
+  if (getenv("CHORUS_SOCKET_THREADS")) check_allreduce(c, n, (size_t)6 << 20);
   check_others(c, n);
   /* split into even/odd ranks and reduce there */
   chorus_comm_t *sub = NULL;

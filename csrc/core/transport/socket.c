@@ -47,7 +47,10 @@
 #define FLUSH_WAIT_MS 1000        /* a failing rank's last try to send what it still holds */
 #define REFUSED_RETRY_MS 5000     /* the peer listens before the all-gather; refusals are
                                      retried only briefly (e.g. SYN races), not forever */
-#define IO_MIN ((size_t)256 << 10) /* direct payloads handed to an I/O thread from here */
+/* Payloads handed to an I/O thread from here: below it the hand-off (a thread's wake-up, the
+ * engine's wait for its "done") cost more than the copy it moves off the engine (measured on
+ * the 16-core host with 256 KiB and 1 MiB, docs/PERFORMANCE.md). */
+#define IO_MIN ((size_t)1 << 20)
 #define IO_MAX 8                  /* I/O threads per rank */
 #define IO_SPIN_NS 200000LL       /* an idle I/O thread spins this long before it sleeps */
 #define STAGE_MAX ((size_t)64 << 20)   /* largest reducing payload staged by an I/O thread */
