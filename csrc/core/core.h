@@ -94,8 +94,8 @@ int chorus_log_enabled(int level, int subsys);
     "or staged paths.")                                                                     \
   X(SOCKET_THREADS, "SOCKET_THREADS", "int", "-1", 0,                                      \
     "Helper threads per rank that make the system calls of socket payloads of 1 MiB or "  \
-    "more (sent from or received into the user's buffer), so that peers and directions "    \
-    "move at once; 0: the engine thread makes every call. -1: the cores per local rank "     \
+    "more (sends, receives, and receives a reduction reads as they arrive), so that peers "  \
+    "and directions move at once; 0: the engine makes every call. -1: the cores per local rank " \
     "less one, at most 4 and one per peer (0 on hosts with a core or less per rank).")       \
   X(SOCKET_SNDBUF, "SOCKET_SNDBUF", "size", "0", 0,                                          \
     "SO_SNDBUF/SO_RCVBUF for data sockets; 0 leaves the kernel's autotuning.")              \
