@@ -223,17 +223,23 @@ static int rank_main(int rank, int n, int port) {
   return failures ? 1 : 0;
 }
 
-/* Rank 1 exits without a word; rank 0's all-reduce must fail naming it long before the
- * 20 s timeout, although rank 1 stays an unreaped zombie meanwhile. */
-static int dead_peer_main(int rank, int port) {
+/* A communicator of 2 ranks over the rendezvous at port (20 s timeout), or NULL. */
+static chorus_comm_t *pair_comm(int rank, int port, const char *name, chorus_bootstrap_t *bs) {
   g_rank = rank;
   char addr[64];
   snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
-  chorus_bootstrap_t bs;
-  if (chorus_bootstrap_tcp(addr, rank, 2, 20000, &bs) != CHORUS_SUCCESS) return 1;
+  if (chorus_bootstrap_tcp(addr, rank, 2, 20000, bs) != CHORUS_SUCCESS) return NULL;
   chorus_comm_t *c;
-  chorus_comm_options_t o = {20000, "dead"};
-  if (chorus_comm_create(rank, 2, &bs, &o, &c) != CHORUS_SUCCESS) return 1;
+  chorus_comm_options_t o = {20000, name};
+  return chorus_comm_create(rank, 2, bs, &o, &c) == CHORUS_SUCCESS ? c : NULL;
+}
+
+/* Rank 1 exits without a word; rank 0's all-reduce must fail naming it long before the
+ * 20 s timeout, although rank 1 stays an unreaped zombie meanwhile. */
+static int dead_peer_main(int rank, int port) {
+  chorus_bootstrap_t bs;
+  chorus_comm_t *c = pair_comm(rank, port, "dead", &bs);
+  if (!c) return 1;
   if (rank == 1) _exit(0);
   sleep(1);
   float x[16] = {0};
@@ -260,14 +266,9 @@ static int dead_peer_main(int rank, int port) {
 #define MID_BYTES ((size_t)64 << 20)
 static pid_t g_victim;
 static int dead_mid_payload_main(int rank, int port) {
-  g_rank = rank;
-  char addr[64];
-  snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
   chorus_bootstrap_t bs;
-  if (chorus_bootstrap_tcp(addr, rank, 2, 20000, &bs) != CHORUS_SUCCESS) return 1;
-  chorus_comm_t *c;
-  chorus_comm_options_t o = {20000, "dead-mid"};
-  if (chorus_comm_create(rank, 2, &bs, &o, &c) != CHORUS_SUCCESS) return 1;
+  chorus_comm_t *c = pair_comm(rank, port, "dead-mid", &bs);
+  if (!c) return 1;
   uint8_t *sb = malloc(MID_BYTES), *rb = calloc(MID_BYTES, 1);
   if (!sb || !rb) return 1;
   memset(sb, 0xab, MID_BYTES);

@@ -738,6 +738,28 @@ static int io_collect(struct sock_job *j, size_t *delta, int *err) {
   return 1;
 }
 
+/* Engine, for the job j of s (*active set while it runs) the caller passes buf, where it
+ * expects the job to be: the bytes moved since the last call (*delta), and once the job has
+ * ended, *active cleared and the job's error turned into the connection's (what: "send" or
+ * "recv"; the peer's EOF as a closed connection). */
+static chorus_result_t direct_collect(struct sock_conn *s, struct sock_job *j, int *active,
+                                      const void *buf, const char *what, size_t *delta) {
+  *delta = 0;
+  if ((const uint8_t *)buf != j->buf + j->reported)
+    return comm_set_error(s->base.comm, CHORUS_ERR_INTERNAL, "rank %d peer %d: a %s an I/O "
+                          "thread moves changed its buffer", s->base.comm->rank, s->base.peer,
+                          what);
+  int e = 0;
+  if (!io_collect(j, delta, &e)) return CHORUS_SUCCESS;
+  *active = 0;
+  if (e < 0) {
+    s->eof = 1;
+    s->starving = 1;
+    return conn_fail(s, 0, what);
+  }
+  return e ? conn_fail(s, e, what) : CHORUS_SUCCESS;
+}
+
 void socket_stop_io(struct chorus_comm *comm) {
   struct sock_state *st = comm ? comm->sock : NULL;
   if (!st) return;
@@ -787,18 +809,10 @@ static chorus_result_t sock_commit(conn_t *c, size_t len) {
 static chorus_result_t stage_collect(struct sock_conn *s) {
   if (s->rx_job) {
     size_t d = 0;
-    int e = 0;
-    int ended = io_collect(&s->rxj, &d, &e);
+    chorus_result_t r = direct_collect(s, &s->rxj, &s->rx_job, s->stage + s->stage_got, "recv",
+                                       &d);
     s->stage_got += d;
-    if (ended) {
-      s->rx_job = 0;
-      if (e < 0) {
-        s->eof = 1;
-        s->starving = 1;
-        return conn_fail(s, 0, "recv");
-      }
-      if (e) return conn_fail(s, e, "recv");
-    }
+    if (r != CHORUS_SUCCESS) return r;
   }
   if (!s->rx_job && s->stage_pos == s->stage_len) s->staging = 0;
   return CHORUS_SUCCESS;
@@ -1121,23 +1135,14 @@ static chorus_result_t sock_write_direct(conn_t *c, const void *src, size_t n, s
   *wrote = 0;
   if (s->err) return s->err;
   if (s->tx_job) {
-    if ((const uint8_t *)src != s->txj.buf + s->txj.reported)
-      return comm_set_error(c->comm, CHORUS_ERR_INTERNAL, "rank %d peer %d: direct send "
-                            "changed its buffer while an I/O thread sent it", c->comm->rank,
-                            c->peer);
     size_t d = 0;
-    int e = 0;
-    int ended = io_collect(&s->txj, &d, &e);
+    chorus_result_t r = direct_collect(s, &s->txj, &s->tx_job, src, "send", &d);
     if (d) {
       *wrote = d;
       s->tx_head = s->tx_tail = s->tx_tail + d;
       *progressed = 1;
     }
-    if (ended) {
-      s->tx_job = 0;
-      if (e) return conn_fail(s, e > 0 ? e : EPIPE, "send");
-    }
-    return CHORUS_SUCCESS;
+    return r;
   }
   struct iovec iov[3];
   size_t pending = (size_t)(s->tx_tail - s->tx_head);
@@ -1194,29 +1199,15 @@ static chorus_result_t sock_read_direct(conn_t *c, void *dst, size_t n, size_t *
   if (s->err) return s->err;
   if (s->staging) return CHORUS_SUCCESS; /* staged bytes come first, through peek */
   if (s->rx_job) {
-    if ((uint8_t *)dst != s->rxj.buf + s->rxj.reported)
-      return comm_set_error(c->comm, CHORUS_ERR_INTERNAL, "rank %d peer %d: direct receive "
-                            "changed its buffer while an I/O thread received it",
-                            c->comm->rank, c->peer);
     size_t d = 0;
-    int e = 0;
-    int ended = io_collect(&s->rxj, &d, &e);
+    chorus_result_t r = direct_collect(s, &s->rxj, &s->rx_job, dst, "recv", &d);
     if (d) {
       *got = d;
       s->rx_head = s->rx_tail = s->rx_tail + d;
       *progressed = 1;
     }
-    if (ended) {
-      s->rx_job = 0;
-      s->direct_rx = 0;
-      if (e < 0) {
-        s->eof = 1;
-        s->starving = 1;
-        return conn_fail(s, 0, "recv");
-      }
-      if (e) return conn_fail(s, e, "recv");
-    }
-    return CHORUS_SUCCESS;
+    if (!s->rx_job) s->direct_rx = 0;
+    return r;
   }
   if (s->rx_tail != s->rx_head) return CHORUS_SUCCESS; /* buffered bytes come first */
   if (s->eof) {
