@@ -523,6 +523,20 @@ static void cpu_pause(void) {
 #endif
 }
 
+/* Moves the posted jobs onto the thread's list act; returns the new list. */
+static struct sock_job *io_take(struct sock_io *io, struct sock_job *act) {
+  pthread_mutex_lock(&io->mu);
+  while (io->posted) {
+    struct sock_job *j = io->posted;
+    io->posted = j->next;
+    j->next = act;
+    act = j;
+  }
+  atomic_store_explicit(&io->nposted, 0, memory_order_relaxed);
+  pthread_mutex_unlock(&io->mu);
+  return act;
+}
+
 static void *io_main(void *arg) {
   struct sock_io *io = arg;
   struct sock_job *act = NULL; /* jobs taken from posted, still moving */
@@ -530,17 +544,7 @@ static void *io_main(void *arg) {
   size_t pcap = 0;
   int64_t idle_since = now_ns();
   while (!atomic_load_explicit(&io->stop, memory_order_acquire)) {
-    if (atomic_load_explicit(&io->nposted, memory_order_acquire)) {
-      pthread_mutex_lock(&io->mu);
-      while (io->posted) {
-        struct sock_job *j = io->posted;
-        io->posted = j->next;
-        j->next = act;
-        act = j;
-      }
-      atomic_store_explicit(&io->nposted, 0, memory_order_relaxed);
-      pthread_mutex_unlock(&io->mu);
-    }
+    if (atomic_load_explicit(&io->nposted, memory_order_acquire)) act = io_take(io, act);
     int moved = 0, finished = 0;
     size_t nact = 0;
     for (struct sock_job **pp = &act; *pp;) {
@@ -612,14 +616,7 @@ static void *io_main(void *arg) {
     pthread_mutex_unlock(&io->mu);
   }
   /* Stopped (the communicator failed or is going away): whatever is left will not move. */
-  pthread_mutex_lock(&io->mu);
-  while (io->posted) {
-    struct sock_job *j = io->posted;
-    io->posted = j->next;
-    j->next = act;
-    act = j;
-  }
-  pthread_mutex_unlock(&io->mu);
+  act = io_take(io, act);
   while (act) {
     struct sock_job *j = act;
     act = j->next;
