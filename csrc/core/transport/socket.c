@@ -645,10 +645,11 @@ static int io_threads_for(const struct chorus_comm *comm, int peers) {
 
 /* How far ahead of the reader progress() fills the receive ring: all of it, or with I/O
  * threads IO_MIN bytes, so that the rest of a big payload waits in the kernel until its
- * message is read and a thread receives it (read_direct, stage) instead of the engine. */
+ * message is read and a thread receives it (read_direct, stage) instead of the engine.
+ * Single-stream connections only (striped ones fill their ring by stripes). */
 static size_t rx_window(const struct sock_conn *s) {
   const struct sock_state *st = s->base.comm->sock;
-  if (s->nsub == 1 && st && st->nio > 0 && !st->io_stopped && s->size > IO_MIN) return IO_MIN;
+  if (st && st->nio > 0 && !st->io_stopped && s->size > IO_MIN) return IO_MIN;
   return s->size;
 }
 
@@ -684,17 +685,16 @@ static int io_ready(struct chorus_comm *comm) {
   return started > 0;
 }
 
-/* Hands the direct payload [buf, buf + n) of s to its I/O thread; 0 if it stays with the
- * engine (no threads, or too small). */
+/* Should a payload of n bytes of s go to an I/O thread (starting them if need be)? Only
+ * single-stream connections (sock_ops) ask. */
 static int io_wanted(struct sock_conn *s, size_t n) {
   struct chorus_comm *comm = s->base.comm;
-  return n >= IO_MIN && s->nsub == 1 && comm->sock && io_ready(comm);
+  return n >= IO_MIN && comm->sock && io_ready(comm);
 }
 
-static int io_post(struct sock_conn *s, struct sock_job *j, int is_recv, void *buf, size_t n) {
-  struct chorus_comm *comm = s->base.comm;
-  if (!io_wanted(s, n)) return 0;
-  struct sock_state *st = comm->sock;
+/* Hands the payload [buf, buf + n) of s to its I/O thread as job j; io_wanted said yes. */
+static void io_post(struct sock_conn *s, struct sock_job *j, int is_recv, void *buf, size_t n) {
+  struct sock_state *st = s->base.comm->sock;
   if (s->io < 0) s->io = st->io_next++ % st->io_started;
   struct sock_io *io = &st->io[s->io];
   j->fd = s->fd;
@@ -716,7 +716,6 @@ static int io_post(struct sock_conn *s, struct sock_job *j, int is_recv, void *b
     ssize_t w = write(io->efd, &one, sizeof one);
     (void)w;
   }
-  return 1;
 }
 
 /* Engine: what the I/O thread did for j since the last call (*delta bytes); 1 once the job
@@ -1042,6 +1041,24 @@ static int peer_failure_reached(const struct sock_conn *s) {
          (cur && cur->kind != OP_SEND && cur->kind != OP_RECV && cur->seq >= s->peer_failed_seq);
 }
 
+/* One sendmsg() of what the outgoing ring holds (two iovecs over its wrap); sets *moved
+ * (never clears it) if bytes went. */
+static chorus_result_t ring_send(struct sock_conn *s, int *moved) {
+  struct iovec iov[2];
+  struct msghdr mh = {0};
+  mh.msg_iov = iov;
+  mh.msg_iovlen = (size_t)ring_iov(s->tx, s->size, s->tx_head,
+                                   (size_t)(s->tx_tail - s->tx_head), iov);
+  ssize_t r = sendmsg(s->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (r > 0) {
+    s->tx_head += (uint64_t)r;
+    *moved = 1;
+  } else if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+    return conn_fail(s, errno, "send");
+  }
+  return CHORUS_SUCCESS;
+}
+
 /* One sendmsg() and one recvmsg() at most; both cover the ring's wrap with two iovecs.
  * *progressed is only ever set, never cleared (the engine ORs it over connections). */
 static chorus_result_t sock_progress(conn_t *c, int *progressed) {
@@ -1055,18 +1072,7 @@ static chorus_result_t sock_progress(conn_t *c, int *progressed) {
     CHECK(striped_send(s, &moved));
     CHECK(striped_recv(s, &moved));
   } else {
-    if (pending && !s->tx_job) {
-      struct msghdr mh = {0};
-      mh.msg_iov = iov;
-      mh.msg_iovlen = (size_t)ring_iov(s->tx, s->size, s->tx_head, pending, iov);
-      ssize_t r = sendmsg(s->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (r > 0) {
-        s->tx_head += (uint64_t)r;
-        moved = 1;
-      } else if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-        return conn_fail(s, errno, "send");
-      }
-    }
+    if (pending && !s->tx_job) CHECK(ring_send(s, &moved));
 
     if (!s->eof && !s->rx_job && !s->staging && !(s->direct_rx && s->rx_head == s->rx_tail)) {
       /* Restart an empty ring near offset 0 but keep index == stream position mod 16: the
@@ -1146,24 +1152,14 @@ static chorus_result_t sock_write_direct(conn_t *c, const void *src, size_t n, s
   if (io_wanted(s, n)) {
     /* the ring's bytes (the message header) first, then the payload by the thread */
     if (pending) {
-      struct msghdr mh = {0};
-      mh.msg_iov = iov;
-      mh.msg_iovlen = (size_t)ring_iov(s->tx, s->size, s->tx_head, pending, iov);
-      ssize_t r = sendmsg(s->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
-        return conn_fail(s, errno, "send");
-      if (r > 0) {
-        s->tx_head += (uint64_t)r;
-        *progressed = 1;
-      }
+      CHECK(ring_send(s, progressed));
       s->direct_tx = s->tx_head != s->tx_tail;
       if (s->direct_tx) return CHORUS_SUCCESS;
     }
-    if (io_post(s, &s->txj, 0, (void *)src, n)) {
-      s->tx_job = 1;
-      s->direct_tx = 0; /* the thread polls the socket, not the engine */
-      return CHORUS_SUCCESS;
-    }
+    io_post(s, &s->txj, 0, (void *)src, n);
+    s->tx_job = 1;
+    s->direct_tx = 0; /* the thread polls the socket, not the engine */
+    return CHORUS_SUCCESS;
   }
   int k = pending ? ring_iov(s->tx, s->size, s->tx_head, pending, iov) : 0;
   iov[k].iov_base = (void *)src;
@@ -1211,7 +1207,8 @@ static chorus_result_t sock_read_direct(conn_t *c, void *dst, size_t n, size_t *
     s->starving = 1;
     return conn_fail(s, 0, "recv");
   }
-  if (io_post(s, &s->rxj, 1, dst, n)) {
+  if (io_wanted(s, n)) {
+    io_post(s, &s->rxj, 1, dst, n);
     s->rx_job = 1;
     s->direct_rx = 1; /* progress() leaves the socket's bytes to the thread */
     s->starving = 0;
@@ -1264,7 +1261,7 @@ static chorus_result_t sock_stage(conn_t *c, size_t n) {
    * moves to the staging buffer's head so that no element straddles ring and stage. */
   size_t r = (size_t)(s->rx_tail % 16);
   if (r > have) r = have;
-  size_t need = n - (have - r) - r;
+  size_t need = n - have; /* what the thread receives, after the r bytes moved over */
   if (need > STAGE_MAX || !io_wanted(s, need)) return CHORUS_SUCCESS;
   struct sock_state *st = c->comm->sock;
   if (s->stage_cap < r + need) {
@@ -1278,7 +1275,7 @@ static chorus_result_t sock_stage(conn_t *c, size_t n) {
     s->stage_cap = cap;
   }
   if (r) memcpy(s->stage, s->rx + (size_t)((s->rx_tail - r) % s->size), r);
-  if (!io_post(s, &s->rxj, 1, s->stage + r, need)) return CHORUS_SUCCESS;
+  io_post(s, &s->rxj, 1, s->stage + r, need);
   s->rx_tail -= r;
   s->rx_job = 1;
   s->staging = 1;
