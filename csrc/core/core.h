@@ -513,6 +513,7 @@ struct chorus_comm {
   pthread_cond_t idle_cv;
   struct op *queue_head, *queue_tail;   /* collectives, run in order */
   struct op *p2p_incoming;              /* posted p2p ops not yet taken by the engine */
+  _Atomic uint64_t submits;             /* ops posted so far: an idle engine spins on it */
   struct op **p2p_send, **p2p_recv;     /* per peer FIFO heads (engine thread only) */
   struct op *p2p_any;                   /* receives from CHORUS_ANY_SOURCE */
   uint64_t *p2p_send_seq, *p2p_recv_seq;
@@ -522,6 +523,7 @@ struct chorus_comm {
   _Atomic int failed;                   /* error recorded; every op fails */
   _Atomic uint32_t local_doorbell;      /* wake word when no shm segment exists */
   int wake_fd;                          /* eventfd, written on enqueue (sockets poll it) */
+  int wake_polled;                      /* some connection has a pollfd: wake_fd is polled */
   chorus_result_t err;
   char errbuf[1024];
   pthread_mutex_t err_mu;

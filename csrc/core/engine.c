@@ -366,7 +366,7 @@ void engine_wake(struct chorus_comm *comm) {
     atomic_fetch_add(&comm->local_doorbell, 1);
     syscall(SYS_futex, &comm->local_doorbell, FUTEX_WAKE, 1, NULL, NULL, 0);
   }
-  if (comm->wake_fd >= 0) {
+  if (comm->wake_fd >= 0 && comm->wake_polled) {
     uint64_t one = 1;
     ssize_t w = write(comm->wake_fd, &one, sizeof one);
     (void)w;
@@ -547,10 +547,32 @@ chorus_result_t engine_poll(struct chorus_comm *comm, struct op *op, int *idle_i
 
 /* ---------------------------------------------------------------- the thread */
 #define IDLE_WATCH_MS 500
+/* How long an engine with a core of its own spins for the next post before it sleeps. */
+#define IDLE_SPIN_NS 100000LL
+
+/* Waking a thread asleep on a condition variable costs 5..30 us on a virtual machine, more
+ * than a small collective itself takes; back-to-back small collectives (a training step's
+ * gradient buckets, a benchmark) leave the engine idle for a few microseconds between
+ * posts. With a core to spare (comm->spin > 0) the engine therefore watches the post
+ * counter for a while before it sleeps. Returns 1 when something was posted (or the
+ * communicator is stopping) within the spin. */
+static int engine_idle_spin(struct chorus_comm *comm, uint64_t submits) {
+  if (comm->spin <= 0) return 0;
+  int64_t end = now_ns() + IDLE_SPIN_NS;
+  for (unsigned i = 1;; i++) {
+    if (atomic_load_explicit(&comm->submits, memory_order_acquire) != submits ||
+        atomic_load(&comm->stop) || atomic_load(&comm->aborted) || atomic_load(&comm->failed))
+      return 1;
+    cpu_relax();
+    if ((i & 63) == 0 && now_ns() >= end) return 0;
+  }
+}
 static void *engine_main(void *arg) {
   struct chorus_comm *comm = arg;
   int idle = 0;
   for (;;) {
+    /* read before the queue is looked at: a post the look misses changes it afterwards */
+    uint64_t submits = atomic_load_explicit(&comm->submits, memory_order_acquire);
     p2p_take_incoming(comm);
     pthread_mutex_lock(&comm->mu);
     struct op *op = comm->queue_head;
@@ -609,6 +631,7 @@ static void *engine_main(void *arg) {
       continue;
     }
     if (stopping || atomic_load(&comm->aborted)) break;
+    if (engine_idle_spin(comm, submits)) continue;
     /* nothing to do: sleep until an op is submitted (with the flight recorder's idle watch,
      * waking every IDLE_WATCH_MS to see whether a peer failed meanwhile) */
     int watch = trace_idle_watch(comm), woke = 0;
@@ -665,6 +688,12 @@ chorus_result_t engine_start(struct chorus_comm *comm) {
   int64_t spin = param_int(PARAM_SPIN_COUNT);
   if (spin < 0) spin = comm->nlocal * 2 <= sysconf(_SC_NPROCESSORS_ONLN) ? 2000 : 0;
   comm->spin = (int)spin;
+  /* engine_block polls wake_fd only beside connections that have a pollfd (sockets, verbs
+   * completion channels); without any, the write on every post would be a wasted call */
+  for (int ch = 0; ch < CHAN_COUNT; ch++)
+    for (int p = 0; p < n; p++)
+      if (comm->conns[ch] && comm->conns[ch][p] && comm->conns[ch][p]->ops->pollfd)
+        comm->wake_polled = 1;
   comm->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (comm->wake_fd < 0)
     return comm_set_error(comm, CHORUS_ERR_SYSTEM, "rank %d: eventfd failed: %s", comm->rank,
@@ -755,6 +784,7 @@ chorus_result_t engine_submit(struct chorus_comm *comm, struct op *op, chorus_re
     else comm->queue_head = op;
     comm->queue_tail = op;
   }
+  atomic_fetch_add_explicit(&comm->submits, 1, memory_order_release);
   pthread_cond_signal(&comm->idle_cv);
   pthread_mutex_unlock(&comm->mu);
   engine_wake(comm);
