@@ -218,6 +218,15 @@ void workers_premul(struct chorus_comm *comm, void *dst, const void *src, size_t
  * buffers that hold them (each src[p] is addressed from the chunk's start) */
 void workers_gather(struct chorus_comm *comm, void *dst, const uint8_t *const *src,
                     size_t slice, size_t bytes, int stream);
+/* Several copies as one job: the helpers split their total, not each copy, so n small
+ * copies cost one hand-off instead of n. */
+struct copy_seg {
+  void *dst;
+  const void *src;
+  size_t len;
+};
+void workers_copy_list(struct chorus_comm *comm, const struct copy_seg *segs, int nseg,
+                       int stream);
 void workers_stop(struct chorus_comm *comm);
 float half_to_float(uint16_t h);
 uint16_t float_to_half(float f);     /* round to nearest even */

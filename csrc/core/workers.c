@@ -307,3 +307,43 @@ void workers_gather(struct chorus_comm *comm, void *dst, const uint8_t *const *s
   struct gather_job j = {dst, src, slice, stream};
   workers_for(comm, bytes, 1, gather_range, &j);
 }
+
+/* ------------------------------------------------------------------ copy lists */
+#define COPY_LIST_MAX 512
+struct list_job {
+  const struct copy_seg *segs;
+  size_t start[COPY_LIST_MAX + 1]; /* start[i]: offset of segs[i] in the concatenation */
+  int nseg;
+  int stream;
+};
+
+static void list_range(void *ctx, size_t b, size_t e) {
+  struct list_job *j = ctx;
+  int i = 0;
+  while (i + 1 < j->nseg && j->start[i + 1] <= b) i++;
+  for (; b < e && i < j->nseg; i++) {
+    size_t end = j->start[i + 1] < e ? j->start[i + 1] : e;
+    if (end <= b) continue;
+    size_t o = b - j->start[i];
+    uint8_t *d = (uint8_t *)j->segs[i].dst + o;
+    const uint8_t *src = (const uint8_t *)j->segs[i].src + o;
+    if (j->stream) copy_stream(d, src, end - b);
+    else memcpy(d, src, end - b);
+    b = end;
+  }
+}
+
+void workers_copy_list(struct chorus_comm *comm, const struct copy_seg *segs, int nseg,
+                       int stream) {
+  while (nseg > 0) {
+    struct list_job j;
+    j.segs = segs;
+    j.nseg = nseg < COPY_LIST_MAX ? nseg : COPY_LIST_MAX;
+    j.stream = stream;
+    j.start[0] = 0;
+    for (int i = 0; i < j.nseg; i++) j.start[i + 1] = j.start[i] + segs[i].len;
+    workers_for(comm, j.start[j.nseg], 1, list_range, &j);
+    segs += j.nseg;
+    nseg -= j.nseg;
+  }
+}

@@ -48,6 +48,17 @@ static chorus_result_t dx_copy(struct dx *x, void *dst, const void *src, size_t 
   return CHORUS_SUCCESS;
 }
 
+static chorus_result_t dx_copy_list(struct dx *x, const struct copy_seg *segs, int nseg,
+                                    int stream) {
+  if (!x->dev) {
+    workers_copy_list(x->comm, segs, nseg, stream);
+    return CHORUS_SUCCESS;
+  }
+  for (int i = 0; i < nseg; i++)
+    if (segs[i].len) CHECK(cuda_copy(x->comm, segs[i].dst, segs[i].src, segs[i].len));
+  return CHORUS_SUCCESS;
+}
+
 static chorus_result_t dx_reduce(struct dx *x, void *out, const void *const *in, size_t count,
                                  chorus_op_kind_t kind, int divisor) {
   if (x->dev) return cuda_reduce(x->comm, out, in, x->n, count, x->op->dtype, kind, divisor);
@@ -224,9 +235,10 @@ static size_t div_up(size_t a, size_t b) { return (a + b - 1) / b; }
 
 /* Outputs at least this big leave the caches anyway: write them with streaming stores. */
 #define STREAM_MIN_BYTES ((size_t)512 << 10)
+static int stream_out(size_t total) { return total >= STREAM_MIN_BYTES; }
 static chorus_result_t copy_out(struct dx *x, void *dst, const void *src, size_t n,
                                 size_t total) {
-  return dx_copy(x, dst, src, n, total >= STREAM_MIN_BYTES);
+  return dx_copy(x, dst, src, n, stream_out(total));
 }
 
 static int divisor_of(struct dx *x) { return x->op->op.kind == CHORUS_AVG ? x->n : 1; }
@@ -341,6 +353,7 @@ chorus_result_t oneshot_allgatherv(struct chorus_comm *comm, struct op *op) {
   const size_t per = x.half / x.es * x.es; /* bytes of each contribution per chunk */
   const size_t nch = maxb ? div_up(maxb, per) : 1;
   const uint8_t *src = op->sendbuf;
+  struct copy_seg segs[CHORUS_MAX_LOCAL_DIRECT];
   for (size_t k = 0; k < nch; k++) {
     uint64_t g;
     uint8_t *mine;
@@ -351,6 +364,7 @@ chorus_result_t oneshot_allgatherv(struct chorus_comm *comm, struct op *op) {
     if (mylen) CHECK(dx_copy(&x, mine, src + off, mylen, 0));
     CHECK(publish(&x, F_POSTED, g));
     CHECK(wait_flag(&x, F_POSTED, g, -1));
+    int nseg = 0;
     for (int p = 0; p < x.n; p++) {
       size_t b = op->counts[p] * x.es;
       size_t len = b > off ? (b - off < per ? b - off : per) : 0;
@@ -361,9 +375,10 @@ chorus_result_t oneshot_allgatherv(struct chorus_comm *comm, struct op *op) {
         if (x.dev) CHECK(cuda_copy(comm, dst, src + off, len));
         else memmove(dst, src + off, len);
       } else {
-        CHECK(copy_out(&x, dst, scratch_of(&x, p, g), len, op->count * x.es));
+        segs[nseg++] = (struct copy_seg){dst, scratch_of(&x, p, g), len};
       }
     }
+    CHECK(dx_copy_list(&x, segs, nseg, stream_out(op->count * x.es)));
     CHECK(publish(&x, F_DONE, g));
   }
   return CHORUS_SUCCESS;
@@ -393,19 +408,25 @@ chorus_result_t oneshot_reduce_scatterv(struct chorus_comm *comm, struct op *op)
   }
   const size_t nch = maxb ? div_up(maxb, h) : 1;
   const void *in[CHORUS_MAX_LOCAL_DIRECT];
+  struct copy_seg segs[CHORUS_MAX_LOCAL_DIRECT];
+  const int premul = op->op.kind == CHORUS_PREMUL_SUM;
   chorus_result_t res = CHORUS_SUCCESS;
   for (size_t k = 0; k < nch; k++) {
     uint64_t g;
     uint8_t *mine;
     CHECK_GOTO(chunk_begin(&x, 1, &g, &mine), res, out);
     size_t pos = k * h;
+    int nseg = 0;
     for (int p = 0; p < x.n; p++) {
       size_t b = op->counts[p] * x.es;
       size_t len = b > pos ? (b - pos < h ? b - pos : h) : 0;
-      CHECK_GOTO(copy_in(&x, mine + (size_t)p * h,
-                         (const uint8_t *)op->sendbuf + off[p] * x.es + pos, len / x.es),
-                 res, out);
+      const uint8_t *from = (const uint8_t *)op->sendbuf + off[p] * x.es + pos;
+      if (premul)
+        CHECK_GOTO(copy_in(&x, mine + (size_t)p * h, from, len / x.es), res, out);
+      else if (len)
+        segs[nseg++] = (struct copy_seg){mine + (size_t)p * h, from, len};
     }
+    CHECK_GOTO(dx_copy_list(&x, segs, nseg, 0), res, out);
     CHECK_GOTO(publish(&x, F_POSTED, g), res, out);
     CHECK_GOTO(wait_flag(&x, F_POSTED, g, -1), res, out);
     size_t b = op->counts[x.me] * x.es;
@@ -440,25 +461,30 @@ chorus_result_t oneshot_alltoall(struct chorus_comm *comm, struct op *op) {
   const int same = sb == rb;
   const int disjoint = sb + total <= rb || rb + total <= sb;
   const int own_direct = same || disjoint;
+  struct copy_seg segs[CHORUS_MAX_LOCAL_DIRECT];
   for (size_t k = 0; k < nch; k++) {
     uint64_t g;
     uint8_t *mine;
     CHECK(chunk_begin(&x, 1, &g, &mine));
     size_t pos = k * h, len = blk > pos ? (blk - pos < h ? blk - pos : h) : 0;
+    int nseg = 0;
     if (len)
       for (int p = 0; p < x.n; p++)
         if (p != x.me || !own_direct)
-          CHECK(dx_copy(&x, mine + (size_t)p * h, sb + (size_t)p * blk + pos, len, 0));
+          segs[nseg++] = (struct copy_seg){mine + (size_t)p * h, sb + (size_t)p * blk + pos, len};
+    CHECK(dx_copy_list(&x, segs, nseg, 0));
     CHECK(publish(&x, F_POSTED, g));
     if (len && own_direct && !same)
       CHECK(copy_out(&x, rb + (size_t)x.me * blk + pos, sb + (size_t)x.me * blk + pos, len,
                      total));
     CHECK(wait_flag(&x, F_POSTED, g, -1));
+    nseg = 0;
     if (len)
       for (int q = 0; q < x.n; q++)
         if (q != x.me || !own_direct)
-          CHECK(copy_out(&x, rb + (size_t)q * blk + pos, scratch_of(&x, q, g) + (size_t)x.me * h,
-                         len, total));
+          segs[nseg++] = (struct copy_seg){rb + (size_t)q * blk + pos,
+                                           scratch_of(&x, q, g) + (size_t)x.me * h, len};
+    CHECK(dx_copy_list(&x, segs, nseg, stream_out(total)));
     CHECK(publish(&x, F_DONE, g));
   }
   return CHORUS_SUCCESS;
