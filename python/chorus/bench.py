@@ -32,10 +32,12 @@ Out-of-place / in-place: all_gather, reduce_scatter, alltoall and sendrecv have 
 out-of-place forms. torch.distributed has only in-place all_reduce, broadcast and reduce:
 their out-of-place half times copy_ of the input into an output buffer followed by the
 in-place call (what an out-of-place caller pays), with two output buffers so that a copy
-never overwrites a buffer still in flight. In-place all_gather takes its input from its slot
-of the output, in-place reduce_scatter writes into its slot of the input (the FSDP/DeepSpeed
-layouts). In-place alltoall and sendrecv show n/a: torch.distributed leaves an aliased send
-and receive buffer undefined.
+never overwrites a buffer still in flight. Broadcast's root is the exception: it sends from
+its input and copies the input into its output while the call is in flight, since the root
+has nothing to receive. The same code runs for every backend of a --compare. In-place
+all_gather takes its input from its slot of the output, in-place reduce_scatter writes into
+its slot of the input (the FSDP/DeepSpeed layouts). In-place alltoall and sendrecv show
+n/a: torch.distributed leaves an aliased send and receive buffer undefined.
 
 Check (-c 1): every input is a deterministic per-rank pattern of small integers (products:
 powers of two), so results are exact for every dtype except avg's final division; each size
@@ -424,7 +426,15 @@ class Runner:
                 self.pending[j].wait()
                 self.pending[j] = None
             buf = b.out[j]
-            if op != "broadcast" or r == ctx.root:
+            if op == "broadcast" and r == ctx.root:
+                # The root's data is its input: send from it and copy it into the
+                # output while the broadcast is in flight (nccl-tests' out-of-place
+                # broadcast also leaves the root's recvbuff a copy of its sendbuff).
+                w = dist.broadcast(b.inp, src=ctx.root, group=g, async_op=True)
+                buf.copy_(b.inp)
+                self.pending[j] = w
+                return
+            if op != "broadcast":
                 buf.copy_(b.inp)
             self.pending[j] = self._inplace_call(buf)
             return
@@ -770,7 +780,9 @@ def sweep(ctx, op, args, out, records, table):
             out(f"# note: {note}")
         if op in EMULATED_OOP:
             out(f"# note: torch.distributed has only an in-place {op}: out-of-place = copy_ "
-                "into the output + the in-place call (two output buffers)")
+                "into the output + the in-place call (two output buffers)"
+                + ("; the root sends from its input and copies it meanwhile"
+                   if op == "broadcast" else ""))
         if op in NO_INPLACE:
             out(f"# note: in-place {op}: n/a ({skipped[(ctx.backend, True)]})")
         if (ctx.backend, False) in skipped:
