@@ -70,7 +70,9 @@ int chorus_log_enabled(int level, int subsys);
     "same host, 4 between hosts.")                                                            \
   X(SPIN_COUNT, "SPIN_COUNT", "int", "-1", 0,                                                \
     "Polls of an idle connection before the waiting thread yields the core, then sleeps; "    \
-    "-1: 2000 when every local rank has a core of its own, else 0.")                         \
+    "-1: 2000 when every local rank has a core of its own, else 0. Above 0, an idle engine "  \
+    "also watches for the next post for 100 us, and a wait polls its request for 50 us, "     \
+    "before sleeping.")                                                                       \
   X(SHM_SCRATCH, "SHM_SCRATCH", "size", "4M", 0,                                              \
     "Bytes of shared memory per rank for the same-host direct-access algorithms (oneshot, "  \
     "twoshot); messages are processed in chunks of half of it.")                             \
