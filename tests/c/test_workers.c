@@ -1,7 +1,8 @@
 /* test_workers.c - unit tests of the helper threads (workers.c): every element of a split
  * copy, gather, premultiply and reduction is written exactly once and right, for sizes
  * around every split boundary and element size; thousands of back-to-back jobs (helpers
- * spinning) and jobs after the helpers went to sleep; the helper count follows
+ * spinning) and jobs after the helpers went to sleep; copy lists (pieces in and out of
+ * order, guard bytes between them); the helper count follows
  * CHORUS_SHM_THREADS; workers_stop joins every helper (no thread left behind); with one
  * thread nothing is started. */
 #include <dirent.h>
@@ -145,6 +146,52 @@ static void test_jobs(struct chorus_comm *c) {
   free(o);
 }
 
+/* Copy lists: pieces of assorted lengths (empty ones included) from one buffer to another
+ * in reverse order, each destination piece followed by a guard byte that must stay
+ * untouched; lists shorter than, equal to and longer than what one job takes
+ * (COPY_LIST_MAX, 512), with and without streaming stores. */
+static void test_copy_list(struct chorus_comm *c) {
+  static const size_t lens[] = {0, 1, 63, 64, 4096, 100 << 10, 129 << 10, 7};
+  static const int counts[] = {1, 3, 17, 512, 513, 1300};
+  for (size_t ci = 0; ci < sizeof counts / sizeof counts[0]; ci++)
+    for (int stream = 0; stream < 2; stream++) {
+      int n = counts[ci];
+      struct copy_seg *segs = calloc((size_t)n, sizeof *segs);
+      size_t *len = calloc((size_t)n, sizeof *len), total = 0;
+      if (!segs || !len) exit(2);
+      for (int i = 0; i < n; i++) {
+        len[i] = lens[(size_t)(i * 5 + n) % (sizeof lens / sizeof lens[0])];
+        total += len[i] + 1;
+      }
+      uint8_t *src = malloc(total), *dst = malloc(total);
+      if (!src || !dst) exit(2);
+      for (size_t i = 0; i < total; i++) src[i] = (uint8_t)(i * 29 + ci);
+      memset(dst, 0xee, total);
+      size_t so = 0, d_end = total;
+      for (int i = 0; i < n; i++) {
+        d_end -= len[i] + 1; /* piece i lands at the far end, the guard byte after it */
+        segs[i] = (struct copy_seg){dst + d_end, src + so, len[i]};
+        so += len[i] + 1;
+      }
+      workers_copy_list(c, segs, n, stream);
+      size_t bad = 0, guards = 0;
+      so = 0;
+      d_end = total;
+      for (int i = 0; i < n; i++) {
+        d_end -= len[i] + 1;
+        bad += memcmp(dst + d_end, src + so, len[i]) != 0;
+        guards += dst[d_end + len[i]] != 0xee;
+        so += len[i] + 1;
+      }
+      EXPECT(bad == 0 && guards == 0, "copy list of %d pieces (%zu bytes, stream %d): %zu "
+             "pieces wrong, %zu guard bytes written", n, total, stream, bad, guards);
+      free(src);
+      free(dst);
+      free(segs);
+      free(len);
+    }
+}
+
 static void *noop_thread(void *arg) { return arg; }
 
 int main(void) {
@@ -166,6 +213,7 @@ int main(void) {
   comm_with_threads(&c, "4");
   test_ranges(&c);
   test_jobs(&c);
+  test_copy_list(&c);
   EXPECT(c.workers != NULL, "CHORUS_SHM_THREADS=4 started no helper");
   EXPECT(threads_of_process() == base + 3, "4 threads per rank: %d threads, expected %d",
          threads_of_process(), base + 3);
@@ -177,6 +225,7 @@ int main(void) {
   comm_with_threads(&c, "1");
   test_ranges(&c);
   test_jobs(&c);
+  test_copy_list(&c);
   EXPECT(c.workers == NULL && threads_of_process() == base,
          "CHORUS_SHM_THREADS=1 started helpers (%d threads)", threads_of_process());
   workers_stop(&c);
