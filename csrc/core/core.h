@@ -78,7 +78,8 @@ int chorus_log_enabled(int level, int subsys);
     "twoshot); messages are processed in chunks of half of it.")                             \
   X(SHM_THREADS, "SHM_THREADS", "int", "-1", 0,                                             \
     "Threads per rank (the engine's own included) that split big same-host copies and "      \
-    "reductions; -1: 3/4 of the host's cores divided by its local ranks, 1 to 4.")          \
+    "reductions; -1: 3/4 of the cores of the process's affinity mask divided by the "        \
+    "host's local ranks, 1 to 4.")                                                            \
   X(CUDA_SCRATCH, "CUDA_SCRATCH", "size", "32M", 0,                                         \
     "Bytes of device memory per rank that same-host peers map through CUDA IPC for device "   \
     "collectives; messages are processed in chunks of half of it.")                          \
@@ -244,6 +245,9 @@ uint8_t float_to_e5m2(float f);
 
 /* ------------------------------------------------------ netutil.c */
 int64_t now_ns(void);                             /* CLOCK_MONOTONIC in ns */
+/* Cores this process may run on: its affinity mask (a cpuset, taskset, a launcher's
+ * binding), else the online count. The defaults that size spinning and threads use it. */
+long cores_usable(void);
 int ms_until(int64_t deadline_ns, int cap_ms);    /* ms left, at most cap_ms, 0 if past */
 /* Moves exactly len bytes on a non-blocking fd, waiting with poll until deadline_ns.
  * Returns 0, -1 on EOF while reading, or an errno value (ETIMEDOUT at the deadline). */

@@ -1,10 +1,13 @@
 /* netutil.c - small helpers shared by the TCP rendezvous and the socket transport (and the
- * engine's clock): monotonic time, poll deadlines, exact-length I/O on non-blocking
- * sockets, big-endian wire integers. No dependency on the rest of the core. */
+ * engine's clock): monotonic time, the cores this process may use, poll deadlines,
+ * exact-length I/O on non-blocking sockets, big-endian wire integers. No dependency on the
+ * rest of the core. */
 #include <errno.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "core.h"
 
@@ -12,6 +15,15 @@ int64_t now_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+long cores_usable(void) {
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+#ifdef CPU_COUNT
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) cores = CPU_COUNT(&set);
+#endif
+  return cores > 0 ? cores : 1;
 }
 
 int ms_until(int64_t deadline, int cap_ms) {

@@ -4,9 +4,10 @@
  * spinning) and jobs after the helpers went to sleep; copy lists (pieces in and out of
  * order, guard bytes between them); the helper count follows
  * CHORUS_SHM_THREADS; workers_stop joins every helper (no thread left behind); with one
- * thread nothing is started. */
+ * thread nothing is started; the default counts the cores of the affinity mask. */
 #include <dirent.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -239,6 +240,28 @@ int main(void) {
 
   unsetenv("CHORUS_SHM_THREADS");
   param_reset_cache();
+
+  /* The defaults count the cores of the affinity mask (a cpuset, taskset), not the host's:
+   * narrowed to one core, no helper starts (three quarters of one core is none). */
+  cpu_set_t all, one;
+  if (sched_getaffinity(0, sizeof all, &all) == 0) {
+    int first = 0;
+    while (!CPU_ISSET(first, &all)) first++;
+    CPU_ZERO(&one);
+    CPU_SET(first, &one);
+    if (sched_setaffinity(0, sizeof one, &one) == 0) {
+      EXPECT(cores_usable() == 1, "one core in the affinity mask: cores_usable() = %ld",
+             cores_usable());
+      memset(&c, 0, sizeof c);
+      c.nlocal = 1;
+      test_jobs(&c);
+      EXPECT(c.workers == NULL, "default helper count on one core started helpers");
+      workers_stop(&c);
+      sched_setaffinity(0, sizeof all, &all);
+    }
+    EXPECT(cores_usable() == CPU_COUNT(&all), "cores_usable() = %ld, affinity mask has %d",
+           cores_usable(), CPU_COUNT(&all));
+  }
   printf("test_workers: %d checks, %d failed\n", checks, failures);
   return failures ? 1 : 0;
 }
