@@ -78,8 +78,8 @@ int chorus_log_enabled(int level, int subsys);
     "twoshot); messages are processed in chunks of half of it.")                             \
   X(SHM_THREADS, "SHM_THREADS", "int", "-1", 0,                                             \
     "Threads per rank (the engine's own included) that split big same-host copies and "      \
-    "reductions; -1: 3/4 of the cores of the process's affinity mask divided by the "        \
-    "host's local ranks, 1 to 4.")                                                            \
+    "reductions; -1: 3/4 of the cores the host's ranks may use (the union of their "         \
+    "affinity masks) divided by their number, 1 to 4.")                                      \
   X(CUDA_SCRATCH, "CUDA_SCRATCH", "size", "32M", 0,                                         \
     "Bytes of device memory per rank that same-host peers map through CUDA IPC for device "   \
     "collectives; messages are processed in chunks of half of it.")                          \
@@ -246,8 +246,11 @@ uint8_t float_to_e5m2(float f);
 /* ------------------------------------------------------ netutil.c */
 int64_t now_ns(void);                             /* CLOCK_MONOTONIC in ns */
 /* Cores this process may run on: its affinity mask (a cpuset, taskset, a launcher's
- * binding), else the online count. The defaults that size spinning and threads use it. */
+ * binding), else the online count. */
 long cores_usable(void);
+/* The same as a bit mask of CPU_MASK_BYTES bytes (bit c of byte c/8: CPU c may run us). */
+#define CPU_MASK_BYTES 128
+void cpu_mask_of_process(uint8_t *mask);
 int ms_until(int64_t deadline_ns, int cap_ms);    /* ms left, at most cap_ms, 0 if past */
 /* Moves exactly len bytes on a non-blocking fd, waiting with poll until deadline_ns.
  * Returns 0, -1 on EOF while reading, or an errno value (ETIMEDOUT at the deadline). */
@@ -315,6 +318,7 @@ struct peer_info {
   int32_t shm_ok;            /* shared memory usable by this rank */
   char sock_addr[ADDR_LEN];  /* "ip:port" of its listening socket, "" if none */
   char hostname[64];
+  uint8_t cpus[CPU_MASK_BYTES]; /* its affinity mask (cpu_mask_of_process) */
 };
 
 /* shm.c */
@@ -501,6 +505,7 @@ struct chorus_comm {
 
   struct peer_info *peers;    /* nranks entries */
   int nlocal;                 /* ranks on this host (this one included) */
+  long local_cores;           /* cores of the union of their affinity masks (0: unknown) */
   int *local_rank_of;         /* rank -> index among local ranks, -1 if remote */
   int *host_of;               /* rank -> host index (hosts numbered by their lowest rank) */
   int nhosts;
@@ -556,6 +561,13 @@ struct chorus_comm {
   struct chorus_comm *trace_next_comm;  /* the process's list of communicators */
   int trace_registered;
 };
+
+/* Cores the ranks of this host share, for the defaults that size spinning and threads: the
+ * union of their affinity masks, so that a cpuset or taskset shared by every rank counts
+ * once and per-rank bindings add up; this process's own count before the ranks met. */
+static inline long host_cores(const struct chorus_comm *comm) {
+  return comm->local_cores > 0 ? comm->local_cores : cores_usable();
+}
 
 /* engine.c */
 chorus_result_t engine_start(struct chorus_comm *comm);

@@ -686,7 +686,7 @@ chorus_result_t engine_start(struct chorus_comm *comm) {
   /* Spinning only pays when every local rank (engine thread) has a core of its own;
    * oversubscribed, a spinning rank steals the core the peer it waits for needs. */
   int64_t spin = param_int(PARAM_SPIN_COUNT);
-  if (spin < 0) spin = comm->nlocal * 2 <= cores_usable() ? 2000 : 0;
+  if (spin < 0) spin = comm->nlocal * 2 <= host_cores(comm) ? 2000 : 0;
   comm->spin = (int)spin;
   /* engine_block polls wake_fd only beside connections that have a pollfd (sockets, verbs
    * completion channels); without any, the write on every post would be a wasted call */

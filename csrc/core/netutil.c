@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <sched.h>
+#include <string.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -24,6 +25,23 @@ long cores_usable(void) {
   if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) cores = CPU_COUNT(&set);
 #endif
   return cores > 0 ? cores : 1;
+}
+
+void cpu_mask_of_process(uint8_t *mask) {
+  memset(mask, 0, CPU_MASK_BYTES);
+  int have = 0;
+#ifdef CPU_COUNT
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) {
+    for (int c = 0; c < CPU_SETSIZE && c < CPU_MASK_BYTES * 8; c++)
+      if (CPU_ISSET(c, &set)) mask[c / 8] |= (uint8_t)(1u << (c % 8));
+    have = 1;
+  }
+#endif
+  if (!have) { /* CPUs 0..n-1 */
+    long n = cores_usable();
+    for (long c = 0; c < n && c < CPU_MASK_BYTES * 8; c++) mask[c / 8] |= (uint8_t)(1u << (c % 8));
+  }
 }
 
 int ms_until(int64_t deadline, int cap_ms) {

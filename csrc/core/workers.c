@@ -105,7 +105,7 @@ static void *helper_main(void *arg) {
 static int helpers_wanted(const struct chorus_comm *comm) {
   int64_t t = param_int(PARAM_SHM_THREADS);
   if (t < 0) {
-    long cores = cores_usable();
+    long cores = host_cores(comm);
     /* Three quarters of the cores per local rank: the rest stays with the ranks' own
      * Python threads (spinning helpers that outnumber the cores make everything slower).
      * On the 16-core GPU host with 4 ranks, 3 threads per rank beat 2 (all_reduce and

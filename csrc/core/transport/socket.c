@@ -633,7 +633,7 @@ static void *io_main(void *arg) {
 static int io_threads_for(const struct chorus_comm *comm, int peers) {
   int64_t v = param_int(PARAM_SOCKET_THREADS);
   if (v < 0) {
-    long cores = cores_usable();
+    long cores = host_cores(comm);
     int local = comm->nlocal > 0 ? comm->nlocal : 1;
     v = cores / local - 1;
     if (v > 4) v = 4;
