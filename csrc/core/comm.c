@@ -133,7 +133,7 @@ static chorus_result_t comm_init(struct chorus_comm *comm, const chorus_comm_opt
   read_host_id(mine.hostid, sizeof mine.hostid, mine.hostname, sizeof mine.hostname);
   mine.pid = (int32_t)getpid();
   mine.shm_ok = param_int(PARAM_SHM_DISABLE) ? 0 : 1;
-  cpu_mask_of_process(mine.cpus);
+  const long my_cores = cpu_mask_of_process(mine.cpus);
   if (n > 1) CHECK(socket_listen(comm, &mine));
   comm->peers = calloc((size_t)n, sizeof(struct peer_info));
   comm->local_rank_of = calloc((size_t)n, sizeof(int));
@@ -154,7 +154,7 @@ static chorus_result_t comm_init(struct chorus_comm *comm, const chorus_comm_opt
   comm->local_cores = 0;
   for (int b = 0; b < CPU_MASK_BYTES; b++) comm->local_cores += __builtin_popcount(cpus[b]);
   INFO(SUB_INIT, me, "%ld cores for the %d ranks on this host (the union of their affinity "
-       "masks; this rank may use %ld)", comm->local_cores, comm->nlocal, cores_usable());
+       "masks; this rank may use %ld)", comm->local_cores, comm->nlocal, my_cores);
   /* Hosts numbered in order of their lowest rank; the same on every rank. */
   comm->nhosts = 0;
   comm->max_per_host = 0;

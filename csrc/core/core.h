@@ -248,9 +248,10 @@ int64_t now_ns(void);                             /* CLOCK_MONOTONIC in ns */
 /* Cores this process may run on: its affinity mask (a cpuset, taskset, a launcher's
  * binding), else the online count. */
 long cores_usable(void);
-/* The same as a bit mask of CPU_MASK_BYTES bytes (bit c of byte c/8: CPU c may run us). */
+/* The same as a bit mask of CPU_MASK_BYTES bytes (bit c of byte c/8: CPU c may run us);
+ * returns the count, cores_usable()'s. */
 #define CPU_MASK_BYTES 128
-void cpu_mask_of_process(uint8_t *mask);
+long cpu_mask_of_process(uint8_t *mask);
 int ms_until(int64_t deadline_ns, int cap_ms);    /* ms left, at most cap_ms, 0 if past */
 /* Moves exactly len bytes on a non-blocking fd, waiting with poll until deadline_ns.
  * Returns 0, -1 on EOF while reading, or an errno value (ETIMEDOUT at the deadline). */

@@ -18,30 +18,25 @@ int64_t now_ns(void) {
   return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-long cores_usable(void) {
-  long cores = sysconf(_SC_NPROCESSORS_ONLN);
-#ifdef CPU_COUNT
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) cores = CPU_COUNT(&set);
-#endif
-  return cores > 0 ? cores : 1;
-}
-
-void cpu_mask_of_process(uint8_t *mask) {
+long cpu_mask_of_process(uint8_t *mask) {
   memset(mask, 0, CPU_MASK_BYTES);
-  int have = 0;
 #ifdef CPU_COUNT
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) {
     for (int c = 0; c < CPU_SETSIZE && c < CPU_MASK_BYTES * 8; c++)
       if (CPU_ISSET(c, &set)) mask[c / 8] |= (uint8_t)(1u << (c % 8));
-    have = 1;
+    return CPU_COUNT(&set);
   }
 #endif
-  if (!have) { /* CPUs 0..n-1 */
-    long n = cores_usable();
-    for (long c = 0; c < n && c < CPU_MASK_BYTES * 8; c++) mask[c / 8] |= (uint8_t)(1u << (c % 8));
-  }
+  long n = sysconf(_SC_NPROCESSORS_ONLN); /* CPUs 0..n-1 */
+  if (n < 1) n = 1;
+  for (long c = 0; c < n && c < CPU_MASK_BYTES * 8; c++) mask[c / 8] |= (uint8_t)(1u << (c % 8));
+  return n;
+}
+
+long cores_usable(void) {
+  uint8_t mask[CPU_MASK_BYTES];
+  return cpu_mask_of_process(mask);
 }
 
 int ms_until(int64_t deadline, int cap_ms) {
