@@ -210,6 +210,50 @@ def test_three_ranks_every_op_plain_columns():
     assert "speedup" not in out
 
 
+def test_blocking_mode_waits_each_op(tmp_path):
+    # -z 1 (nccl-tests' --blocking): every op waited before the next, results still checked
+    rc, out, err, token = bench("--nproc", 2, "-o", "all", *SWEEP, "-z", 1, "--compare",
+                                "gloo", "--json", tmp_path / "r.json")
+    assert rc == 0, out + err
+    assert not leftover_ranks(token)
+    assert "of the mean of 3 blocking ops (each waited before the next)" in out, out
+    check_rows(parse(out, compare=True), 2, ("chorus", "gloo"))
+    records = json.loads((tmp_path / "r.json").read_text())
+    assert all(r["wrong"] == 0 for r in records if r["op"] != "memcpy"), records
+
+
+@pytest.mark.parametrize("blocking", [0, 1])
+def test_blocking_waits_before_each_launch(monkeypatch, blocking):
+    # The timing loop itself, with a runner that records calls: -z 1 drains after every
+    # start, the default only once at the end.
+    from chorus import bench as B
+    calls = []
+
+    class Recorder:
+        def __init__(self, *args):
+            self.align = None
+
+        def start(self, k):
+            calls.append(f"start{k}")
+
+        def drain(self):
+            calls.append("drain")
+
+    monkeypatch.setattr(B, "Runner", Recorder)
+    monkeypatch.setattr(B.dist, "barrier", lambda *a, **k: None)
+    monkeypatch.setattr(B.dist, "all_reduce", lambda *a, **k: None)
+    ctx = B.Ctx()
+    ctx.check, ctx.warmup, ctx.iters, ctx.cuda, ctx.blocking, ctx.ctrl = 0, 1, 3, False, \
+        blocking, None
+    t, wrong = B.measure(ctx, "all_reduce", True, None, None, None, None)
+    assert t > 0 and wrong is None
+    if blocking:
+        assert calls == ["start0", "drain", "drain",
+                         "start0", "drain", "start1", "drain", "start2", "drain", "drain"]
+    else:
+        assert calls == ["start0", "drain", "start0", "start1", "start2", "drain"]
+
+
 @pytest.mark.parametrize("dtype", ["f8e4m3", "float8_e5m2"])
 def test_float8_rows_are_checked(tmp_path, dtype):
     # 3 ranks: sums of the pattern leave what float8 holds exactly and round once
@@ -302,7 +346,7 @@ def test_help_documents_every_flag(capsys):
     rc, out, err = run_main(capsys, ["--help"])
     assert rc == 0, err
     for flag in ("--op", "--minbytes", "--maxbytes", "--stepfactor", "--iters",
-                 "--warmup_iters", "--check", "--datatype", "--root", "--redop", "--device",
+                 "--warmup_iters", "--blocking", "--check", "--datatype", "--root", "--redop", "--device",
                  "--backend", "--compare", "--nproc", "--json", "--plot", "busbw",
                  "memcpy (1 core)", "speed-up", "in-place", "K/M/G"):
         assert flag in out, flag

@@ -25,8 +25,10 @@ all_gather, reduce_scatter, alltoall (n-1)/n; broadcast, reduce, sendrecv 1.
 Timing (as nccl-tests): per size, warmup ops, a barrier (on a separate gloo control group)
 and one untimed one-element all_reduce on the measured backend (which lines the ranks up),
 then -n ops launched back-to-back (async_op=True), all waited (and torch.cuda.synchronize()),
-time = elapsed / n. The row shows the maximum over ranks (-a changes that: 0 rank 0,
-1 mean, 2 min, 3 max; nccl-tests' default is the mean).
+time = elapsed / n. With -z 1 (nccl-tests' --blocking) each op is waited (and the device
+synchronized) before the next is launched: the latency a blocking caller sees. The row
+shows the maximum over ranks (-a changes that: 0 rank 0, 1 mean, 2 min, 3 max; nccl-tests'
+default is the mean).
 
 Out-of-place / in-place: all_gather, reduce_scatter, alltoall and sendrecv have true
 out-of-place forms. torch.distributed has only in-place all_reduce, broadcast and reduce:
@@ -181,6 +183,9 @@ def build_parser():
     ap.add_argument("-n", "--iters", type=int, default=20, help="timed iterations (default 20)")
     ap.add_argument("-w", "--warmup_iters", type=int, default=5,
                     help="untimed warm-up iterations per size (default 5)")
+    ap.add_argument("-z", "--blocking", type=int, default=0, choices=(0, 1),
+                    help="1: wait for each op before launching the next, as a blocking "
+                    "caller does (default 0: back-to-back)")
     ap.add_argument("-c", "--check", type=int, default=1, choices=(0, 1),
                     help="1: check results and report #wrong (default 1)")
     ap.add_argument("-d", "--datatype", type=parse_dtype, default="float", metavar="TYPE",
@@ -736,6 +741,8 @@ def measure(ctx, op, inplace, group, bufs, expected, corrupt, first=False):
     wrong = runner.check_once(expected, corrupt) if ctx.check else None
     for k in range(ctx.warmup * (2 if first else 1)):
         runner.start(k)
+        if ctx.blocking:
+            runner.drain()
     runner.drain()
     if ctx.cuda:
         torch.cuda.synchronize()
@@ -749,6 +756,8 @@ def measure(ctx, op, inplace, group, bufs, expected, corrupt, first=False):
     t0 = time.perf_counter()
     for k in range(ctx.iters):
         runner.start(k)
+        if ctx.blocking:
+            runner.drain()
     runner.drain()
     dt = time.perf_counter() - t0
     return dt / ctx.iters * 1e6, wrong
@@ -910,7 +919,7 @@ def run_rank(args):
     ctx.redop_name, ctx.redop = args.redop, REDOPS[args.redop]
     ctx.root, ctx.check, ctx.iters, ctx.warmup = args.root, args.check, args.iters, \
         args.warmup_iters
-    ctx.average = args.average
+    ctx.average, ctx.blocking = args.average, args.blocking
     ctx.backend, ctx.compare = args.backend, args.compare
     ctx.cuda = args.device == "cuda"
     if ctx.cuda:
@@ -966,7 +975,9 @@ def bench(ctx, args):
             + (f" (cuda:{ctx.device.index} on rank 0)" if ctx.cuda else ""))
         out(f"# dtype {ctx.dtype_name}, redop {ctx.redop_name}, root {ctx.root}, "
             f"iters {ctx.iters}, warmup {ctx.warmup}, check {ctx.check}; time: "
-            f"{AVERAGE_NAMES[ctx.average]} of the mean of {ctx.iters} back-to-back ops")
+            f"{AVERAGE_NAMES[ctx.average]} of the mean of {ctx.iters} "
+            + ("blocking ops (each waited before the next)" if ctx.blocking
+               else "back-to-back ops"))
         out(f"# host: {os.cpu_count()} CPUs ({usable} usable by rank 0); memcpy (1 core): "
             f"{gbps:.2f} GB/s (torch copy_ of 64 MiB on one thread, best of 5, bytes counted "
             "once)")
