@@ -776,7 +776,14 @@ bool WorkChorus::wait(std::chrono::milliseconds timeout) {
   // waits for the device part, as with ProcessGroupNCCL.
   const bool has_deadline = timeout.count() > 0;
   const auto deadline = Clock::now() + timeout;
-  if (!hostCompleted()) {
+  bool done;
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    done = completed_;
+  }
+  // Not hostCompleted(): its chorus_test would start a collective the core keeps queued for
+  // this thread to run (an oversubscribed host, docs/design.md "Waiters run the collective").
+  if (!done) {
     // Wait on the requests directly instead of on the completer: a caller on the completer
     // thread (a future callback that waits on another collective) must not deadlock.
     waiters_.fetch_add(1, std::memory_order_acq_rel);
@@ -798,7 +805,18 @@ bool WorkChorus::wait(std::chrono::milliseconds timeout) {
   return true;
 }
 
+void WorkChorus::pollRequests() {
+  for (auto& child : children_) child->pollRequests();
+  for (chorus_request_t* r : reqs_) {
+    int done = 0;
+    chorus_test(r, &done);
+  }
+}
+
 c10::intrusive_ptr<c10::ivalue::Future> WorkChorus::getFuture() {
+  // Whoever waits on the future does not call wait(): the core must not keep the
+  // collective queued for a waiter (chorus_test starts it).
+  pollRequests();
   // From now on callbacks may be attached: the core thread must not be the one completing
   // the future. If it is finalizing right now, let it finish first, without the GIL: dropping
   // the last reference to a tensor whose Python object C++ keeps alive (an input passed as a

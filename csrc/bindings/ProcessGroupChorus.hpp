@@ -122,6 +122,7 @@ class WorkChorus : public c10d::Work {
   bool attachParent(const c10::intrusive_ptr<WorkChorus>& parent);
   // Have the requests completed (device work queued, maybe not yet run)? Finalizes if so.
   bool hostCompleted();
+  void pollRequests();  // chorus_test on every request: starts any still queued for a waiter
   // finalize(), then wait until completed_ (another thread may be the one finalizing).
   void awaitCompleted();
   // Makes the current stream wait for this work's (or its children's) device part.

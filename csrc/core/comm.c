@@ -109,6 +109,7 @@ static void comm_free(struct chorus_comm *comm) {
   pthread_mutex_destroy(&comm->err_mu);
   pthread_mutex_destroy(&comm->reg_mu);
   pthread_cond_destroy(&comm->idle_cv);
+  pthread_mutex_destroy(&comm->run_mu);
   free(comm);
 }
 
@@ -208,6 +209,7 @@ static chorus_result_t comm_new(int rank, int nranks, const chorus_bootstrap_t *
   pthread_mutex_init(&comm->err_mu, NULL);
   pthread_mutex_init(&comm->reg_mu, NULL);
   pthread_cond_init(&comm->idle_cv, NULL);
+  pthread_mutex_init(&comm->run_mu, NULL);
   chorus_result_t res = comm_init(comm, opts);
   if (res != CHORUS_SUCCESS) {
     snprintf(create_error, sizeof create_error, "%s",

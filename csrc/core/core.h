@@ -459,6 +459,7 @@ struct chorus_request {
   void *cb_arg;
   struct chorus_comm *comm;
   int64_t spin_ns;            /* chorus_wait spins this long before it sleeps */
+  int runs_inline;            /* chorus_wait may run the op itself (engine.c, "Waiters") */
 };
 
 struct op {
@@ -532,6 +533,11 @@ struct chorus_comm {
   int thread_started;
   pthread_mutex_t mu;
   pthread_cond_t idle_cv;
+  pthread_mutex_t run_mu;               /* held by the thread running ops: engine or waiter */
+  int napping;                          /* mu: the engine naps between ops (posts defer) */
+  int kick;                             /* mu: a waiter left the engine work to finish */
+  _Atomic int64_t last_run_ns;          /* when the last collective ended (engine or waiter) */
+  _Atomic int inline_users;             /* waiters using comm from chorus_wait / chorus_test */
   struct op *queue_head, *queue_tail;   /* collectives, run in order */
   struct op *p2p_incoming;              /* posted p2p ops not yet taken by the engine */
   _Atomic uint64_t submits;             /* ops posted so far: an idle engine spins on it */

@@ -78,15 +78,25 @@ static void req_complete(chorus_request_t *r, chorus_result_t res, const char *m
   req_unref(r);
 }
 
+static void run_inline(chorus_request_t *req);
+static void kick_deferred(chorus_request_t *req);
+
 chorus_result_t chorus_test(chorus_request_t *req, int *done) {
   if (!req || !done) return CHORUS_ERR_INVALID;
   *done = atomic_load(&req->state) == REQ_DONE;
+  if (!*done && req->runs_inline) kick_deferred(req); /* a poller waits for the engine */
   return *done ? req->result : CHORUS_SUCCESS;
 }
 
 chorus_result_t chorus_wait(chorus_request_t *req, int timeout_ms) {
   if (!req) return CHORUS_ERR_INVALID;
   if (atomic_load(&req->state) == REQ_DONE) return req->result;
+  /* a waiter with a time limit does not run the op (it might outlast the limit): it starts
+   * the engine instead */
+  if (req->runs_inline) {
+    if (timeout_ms < 0) run_inline(req);
+    else kick_deferred(req);
+  }
   if (req->spin_ns > 0 && timeout_ms != 0) {
     int64_t end = now_ns() + req->spin_ns;
     for (unsigned i = 1;; i++) {
@@ -545,7 +555,7 @@ chorus_result_t engine_poll(struct chorus_comm *comm, struct op *op, int *idle_i
   return CHORUS_SUCCESS;
 }
 
-/* ---------------------------------------------------------------- the thread */
+/* ---------------------------------------------------------------- running ops */
 #define IDLE_WATCH_MS 500
 /* How long an engine with a core of its own spins for the next post before it sleeps. */
 #define IDLE_SPIN_NS 100000LL
@@ -567,12 +577,131 @@ static int engine_idle_spin(struct chorus_comm *comm, uint64_t submits) {
     if ((i & 63) == 0 && now_ns() >= end) return 0;
   }
 }
+/* Runs the collective op, which the caller (holding run_mu) took off the queue and made
+ * comm->current, and completes its request. */
+static void run_op(struct chorus_comm *comm, struct op *op) {
+  chorus_result_t res;
+  if (atomic_load(&comm->failed)) {
+    trace_op_begin(comm, op, 0);
+    res = failed_result(comm);
+  } else {
+    atomic_store(&op->req->state, REQ_STARTED);
+    int64_t start = now_ns();
+    trace_op_begin(comm, op, start);
+    op->deadline_ns = start + (int64_t)comm->timeout_ms * 1000000LL;
+    TRACE(SUB_COLL, comm->rank, "%s seq %llu count %zu %s", op_kind_name(op->kind),
+          (unsigned long long)op->seq, op->count, chorus_dtype_name(op->dtype));
+    res = op->on_device ? cuda_run(comm, op) : algo_run(comm, op);
+    if (res != CHORUS_SUCCESS) comm->failed_seq = op->seq;
+    if (res != CHORUS_SUCCESS && !atomic_load(&comm->failed)) {
+      char d[200];
+      op_describe(op, d, sizeof d);
+      comm_set_error(comm, res, "%s failed on rank %d: %s", d, comm->rank,
+                     chorus_result_string(res));
+    }
+  }
+  /* verbs peers learn of the failure before the caller does (it may exit at once) */
+  if (res != CHORUS_SUCCESS) {
+    ib_abort_conns(comm);
+    socket_stop_io(comm); /* before op_finish hands the buffers back */
+  }
+  pthread_mutex_lock(&comm->mu);
+  comm->current = NULL;
+  pthread_mutex_unlock(&comm->mu);
+  atomic_store_explicit(&comm->last_run_ns, now_ns(), memory_order_relaxed);
+  op_finish(comm, op, res);
+}
+
+/* ---------------------------------------------------------------- waiters
+ *
+ * Where the local ranks outnumber half the cores (comm->spin == 0: nobody spins), every
+ * hand-off between threads is a wake-up and a context switch, and a small collective paid
+ * several of them per rank: the caller woke the engine, the engine woke the caller. A
+ * caller that waits (without a time limit) for a CPU collective the engine has not started
+ * therefore runs it itself, with the collectives queued before it, while no other thread
+ * runs ops (run_mu). The engine keeps everything else: point-to-point, device work,
+ * flushing, failures; a waiter that leaves it any of that kicks it.
+ *
+ * For a waiter to find its collective unstarted, the engine must not be woken by the post:
+ * for NAP_WINDOW_NS after a collective ends, an idle engine naps (timed sleeps of NAP_NS)
+ * and a CPU collective posted meanwhile wakes nobody. Its caller most likely waits for it
+ * at once; if it polls (chorus_test) the poll kicks the engine, and if it does neither the
+ * engine starts it at the end of the nap. Collectives left queued behind a waiter's are left
+ * the same way, to the next waiter or the nap. */
+#define NAP_NS 500000LL            /* one nap: the longest an unwaited post waits to start */
+#define NAP_WINDOW_NS 20000000LL   /* the engine naps this long after the last collective */
+
+/* Wakes the engine if req's collective sits deferred in the queue (chorus_test). */
+static void kick_deferred(chorus_request_t *req) {
+  struct chorus_comm *comm = req->comm;
+  pthread_mutex_lock(&req->mu); /* see run_inline: comm lives while req is not done */
+  int queued = atomic_load(&req->state) == REQ_QUEUED;
+  if (queued) atomic_fetch_add(&comm->inline_users, 1);
+  pthread_mutex_unlock(&req->mu);
+  if (!queued) return;
+  pthread_mutex_lock(&comm->mu);
+  if (comm->napping) {
+    comm->kick = 1;
+    pthread_cond_signal(&comm->idle_cv);
+  }
+  pthread_mutex_unlock(&comm->mu);
+  atomic_fetch_sub(&comm->inline_users, 1);
+}
+
+static void run_inline(chorus_request_t *req) {
+  struct chorus_comm *comm = req->comm;
+  /* The communicator outlives every request it has not completed, and engine_stop waits
+   * for inline_users to drop to 0 after completing them all: counted under req->mu while
+   * req is still queued, this thread may use comm until it gives the count back. */
+  pthread_mutex_lock(&req->mu);
+  int queued = atomic_load(&req->state) == REQ_QUEUED;
+  if (queued) atomic_fetch_add(&comm->inline_users, 1);
+  pthread_mutex_unlock(&req->mu);
+  if (!queued) return;
+  if (pthread_mutex_trylock(&comm->run_mu) != 0) { /* the engine (or a waiter) runs ops */
+    atomic_fetch_sub(&comm->inline_users, 1);
+    return;
+  }
+  while (atomic_load_explicit(&req->state, memory_order_acquire) == REQ_QUEUED) {
+    if (atomic_load(&comm->failed) || atomic_load(&comm->stop) || atomic_load(&comm->aborted))
+      break;
+    p2p_take_incoming(comm); /* progressed beside the collective, as the engine would */
+    pthread_mutex_lock(&comm->mu);
+    struct op *op = comm->queue_head;
+    if (op && !op->on_device) {
+      comm->queue_head = op->next;
+      if (!comm->queue_head) comm->queue_tail = NULL;
+      comm->current = op;
+    } else {
+      op = NULL;
+    }
+    pthread_mutex_unlock(&comm->mu);
+    if (!op) break;
+    run_op(comm, op);
+  }
+  int kick = p2p_pending(comm) || conns_flushing(comm);
+  pthread_mutex_unlock(&comm->run_mu);
+  pthread_mutex_lock(&comm->mu);
+  kick = kick || comm->p2p_incoming || atomic_load(&comm->failed) ||
+         atomic_load(&comm->stop) || atomic_load(&comm->aborted) ||
+         (comm->queue_head && !comm->napping);
+  if (kick) {
+    comm->kick = 1;
+    pthread_cond_signal(&comm->idle_cv);
+  }
+  pthread_mutex_unlock(&comm->mu);
+  if (kick) engine_wake(comm);
+  atomic_fetch_sub(&comm->inline_users, 1);
+}
+
+/* ---------------------------------------------------------------- the thread */
 static void *engine_main(void *arg) {
   struct chorus_comm *comm = arg;
   int idle = 0;
   for (;;) {
     /* read before the queue is looked at: a post the look misses changes it afterwards */
     uint64_t submits = atomic_load_explicit(&comm->submits, memory_order_acquire);
+    pthread_mutex_lock(&comm->run_mu);
     p2p_take_incoming(comm);
     pthread_mutex_lock(&comm->mu);
     struct op *op = comm->queue_head;
@@ -581,6 +710,7 @@ static void *engine_main(void *arg) {
       if (!comm->queue_head) comm->queue_tail = NULL;
       comm->current = op;
     }
+    comm->kick = 0;
     int stopping = atomic_load(&comm->stop);
     pthread_mutex_unlock(&comm->mu);
 
@@ -590,35 +720,8 @@ static void *engine_main(void *arg) {
       p2p_fail_all(comm, failed_result(comm));
     }
     if (op) {
-      chorus_result_t res;
-      if (atomic_load(&comm->failed)) {
-        trace_op_begin(comm, op, 0);
-        res = failed_result(comm);
-      } else {
-        atomic_store(&op->req->state, REQ_STARTED);
-        int64_t start = now_ns();
-        trace_op_begin(comm, op, start);
-        op->deadline_ns = start + (int64_t)comm->timeout_ms * 1000000LL;
-        TRACE(SUB_COLL, comm->rank, "%s seq %llu count %zu %s", op_kind_name(op->kind),
-              (unsigned long long)op->seq, op->count, chorus_dtype_name(op->dtype));
-        res = op->on_device ? cuda_run(comm, op) : algo_run(comm, op);
-        if (res != CHORUS_SUCCESS) comm->failed_seq = op->seq;
-        if (res != CHORUS_SUCCESS && !atomic_load(&comm->failed)) {
-          char d[200];
-          op_describe(op, d, sizeof d);
-          comm_set_error(comm, res, "%s failed on rank %d: %s", d, comm->rank,
-                         chorus_result_string(res));
-        }
-      }
-      /* verbs peers learn of the failure before the caller does (it may exit at once) */
-      if (res != CHORUS_SUCCESS) {
-        ib_abort_conns(comm);
-        socket_stop_io(comm); /* before op_finish hands the buffers back */
-      }
-      pthread_mutex_lock(&comm->mu);
-      comm->current = NULL;
-      pthread_mutex_unlock(&comm->mu);
-      op_finish(comm, op, res);
+      run_op(comm, op);
+      pthread_mutex_unlock(&comm->run_mu);
       idle = 0;
       continue;
     }
@@ -628,29 +731,38 @@ static void *engine_main(void *arg) {
         socket_stop_io(comm);
         p2p_fail_all(comm, res);
       }
+      pthread_mutex_unlock(&comm->run_mu);
       continue;
     }
-    if (stopping || atomic_load(&comm->aborted)) break;
+    if (stopping || atomic_load(&comm->aborted)) break; /* run_mu stays held */
+    pthread_mutex_unlock(&comm->run_mu);
     if (engine_idle_spin(comm, submits)) continue;
     /* nothing to do: sleep until an op is submitted (with the flight recorder's idle watch,
-     * waking every IDLE_WATCH_MS to see whether a peer failed meanwhile) */
+     * waking every IDLE_WATCH_MS to see whether a peer failed meanwhile), or nap */
     int watch = trace_idle_watch(comm), woke = 0;
     pthread_mutex_lock(&comm->mu);
-    while (!comm->queue_head && !comm->p2p_incoming && !atomic_load(&comm->stop) &&
+    while (!comm->queue_head && !comm->p2p_incoming && !comm->kick && !atomic_load(&comm->stop) &&
            !atomic_load(&comm->aborted) && !woke) {
-      if (!watch) {
+      int64_t now = now_ns();
+      int nap = comm->spin == 0 &&
+                now - atomic_load_explicit(&comm->last_run_ns, memory_order_relaxed) <
+                    NAP_WINDOW_NS;
+      comm->napping = nap;
+      if (!watch && !nap) {
         pthread_cond_wait(&comm->idle_cv, &comm->mu);
         continue;
       }
       struct timespec until;
       clock_gettime(CLOCK_REALTIME, &until);
-      until.tv_nsec += IDLE_WATCH_MS * 1000000L;
+      until.tv_nsec += nap ? (long)NAP_NS : IDLE_WATCH_MS * 1000000L;
       if (until.tv_nsec >= 1000000000L) {
         until.tv_sec += until.tv_nsec / 1000000000L;
         until.tv_nsec %= 1000000000L;
       }
-      woke = pthread_cond_timedwait(&comm->idle_cv, &comm->mu, &until) == ETIMEDOUT;
+      if (pthread_cond_timedwait(&comm->idle_cv, &comm->mu, &until) == ETIMEDOUT && !nap)
+        woke = 1;
     }
+    comm->napping = 0;
     pthread_mutex_unlock(&comm->mu);
     if (woke) trace_idle_check(comm);
     idle = 0;
@@ -669,6 +781,7 @@ static void *engine_main(void *arg) {
     op_finish(comm, op, res);
     op = next;
   }
+  pthread_mutex_unlock(&comm->run_mu);
   return NULL;
 }
 
@@ -701,6 +814,7 @@ chorus_result_t engine_start(struct chorus_comm *comm) {
   if (pthread_create(&comm->thread, NULL, engine_main, comm) != 0)
     return comm_set_error(comm, CHORUS_ERR_SYSTEM, "rank %d: cannot start progress thread",
                           comm->rank);
+  pthread_setname_np(comm->thread, "chorus-engine");
   comm->thread_started = 1;
   return CHORUS_SUCCESS;
 }
@@ -743,6 +857,12 @@ void engine_stop(struct chorus_comm *comm, int abort_now) {
     }
     comm->thread_started = 0;
   }
+  /* every request is complete now; a waiter still inside run_inline or kick_deferred is
+   * on its way out (an op it runs fails at once: the communicator stopped) */
+  while (atomic_load(&comm->inline_users) > 0) {
+    struct timespec ms = {0, 1000000L};
+    nanosleep(&ms, NULL);
+  }
   socket_stop_io(comm); /* its threads ring wake_fd */
   if (comm->wake_fd >= 0) close(comm->wake_fd);
   comm->wake_fd = -1;
@@ -766,6 +886,7 @@ chorus_result_t engine_submit(struct chorus_comm *comm, struct op *op, chorus_re
   }
   op->req = r;
   op->next = NULL;
+  r->runs_inline = !p2p && !op->on_device && comm->spin == 0;
   if (comm->trace) op->t_queued = now_ns();
   pthread_mutex_lock(&comm->mu);
   if (atomic_load(&comm->stop) || atomic_load(&comm->aborted)) {
@@ -785,9 +906,11 @@ chorus_result_t engine_submit(struct chorus_comm *comm, struct op *op, chorus_re
     comm->queue_tail = op;
   }
   atomic_fetch_add_explicit(&comm->submits, 1, memory_order_release);
-  pthread_cond_signal(&comm->idle_cv);
+  /* a napping engine is left alone: the caller is expected to wait (see "Waiters") */
+  int defer = r->runs_inline && comm->napping;
+  if (!defer) pthread_cond_signal(&comm->idle_cv);
   pthread_mutex_unlock(&comm->mu);
-  engine_wake(comm);
+  if (!defer) engine_wake(comm);
   *req = r;
   return CHORUS_SUCCESS;
 }

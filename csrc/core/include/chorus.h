@@ -213,13 +213,19 @@ chorus_result_t chorus_irecv(chorus_comm_t *comm, void *buf, size_t count,
                              chorus_dtype_t dtype, int peer, int tag, chorus_request_t **req);
 
 /* ---- Requests ---- */
-/* *done = 1 once complete; returns the operation's result then (CHORUS_SUCCESS else). */
+/* *done = 1 once complete; returns the operation's result then (CHORUS_SUCCESS else).
+ * Polling starts a collective that was left for a waiter to run (below). */
 chorus_result_t chorus_test(chorus_request_t *req, int *done);
 /* Blocks until complete or timeout_ms passes (< 0: no limit beyond the op's own
- * deadline). Returns the operation's result or CHORUS_INPROGRESS on timeout. */
+ * deadline). Returns the operation's result or CHORUS_INPROGRESS on timeout. Where the
+ * host's ranks outnumber half its cores (no spinning), a CPU collective posted right after
+ * another is left queued for its waiter, and a wait without a limit runs it (and any
+ * queued before it) on the calling thread; one nobody waits for or polls starts within
+ * half a millisecond. */
 chorus_result_t chorus_wait(chorus_request_t *req, int timeout_ms);
-/* Calls fn(arg, result) once when the request completes, on the library's thread (at
- * once, on the caller's thread, if already complete). At most one callback. */
+/* Calls fn(arg, result) once when the request completes, on the thread that completes it:
+ * the library's, or one waiting in chorus_wait that ran the collective (at once, on the
+ * caller's thread, if already complete). At most one callback. */
 chorus_result_t chorus_request_on_complete(chorus_request_t *req,
                                            void (*fn)(void *arg, chorus_result_t res),
                                            void *arg);
