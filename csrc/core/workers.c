@@ -3,8 +3,10 @@
  * On a host with more cores than local ranks, one thread per rank cannot saturate the
  * memory system: a single core copies at a fraction of what the sockets' memory
  * controllers deliver. The engine thread therefore splits big copies and reductions into
- * equal element ranges (cache-line aligned) and hands all but the first to a few helper
- * threads of its own, doing the first itself, and returns when every range is done.
+ * equal element ranges (cache-line aligned, one per thread) that it and a few helper
+ * threads of its own take one at a time, and returns when every range is done. Whoever
+ * is free takes the next range, so a helper that is asleep or waiting for a core holds
+ * nothing up: the engine does its range.
  *
  * Helpers start at the first job big enough to be split (a communicator that only moves
  * small messages never starts one), spin for a while after each job so that the next
@@ -38,20 +40,16 @@ struct workers {
   int started;                 /* helpers running */
   pthread_mutex_t mu;
   pthread_cond_t cv;
-  _Atomic uint64_t gen;        /* job number; helpers start a job when it changes */
-  _Atomic int pending;         /* helper ranges of the current job not yet done */
+  _Atomic uint64_t gen;        /* job number; helpers look for parts when it changes */
+  _Atomic uint64_t claim;      /* job (high 32 bits), its parts (16), next part to take (16) */
+  _Atomic int done;            /* parts of the current job finished */
   _Atomic int sleeping;        /* helpers waiting on cv */
   _Atomic int stop;
-  /* the current job */
+  /* the current job: written only while no part of it (or of the last one) is in flight */
   workers_fn fn;
   void *ctx;
   size_t count, unit;
   int nparts;
-};
-
-struct helper_arg {
-  struct workers *w;
-  int index;                   /* 1..nhelpers: the range it takes */
 };
 
 /* Range p of nparts over count elements, in multiples of unit elements. */
@@ -71,11 +69,32 @@ static void run_part(struct workers *w, int p) {
   if (e > b) w->fn(w->ctx, b, e);
 }
 
+/* Takes the next part of job `job`, or returns -1 when it has none left (or another job
+ * is current). A part taken belongs to the current job, whose fields therefore stay as
+ * they are until the part is reported done. */
+static int take_part(struct workers *w, uint32_t job) {
+  uint64_t c = atomic_load_explicit(&w->claim, memory_order_acquire);
+  for (;;) {
+    if ((uint32_t)(c >> 32) != job) return -1;
+    unsigned parts = (unsigned)(c >> 16) & 0xffffu, next = (unsigned)c & 0xffffu;
+    if (next >= parts) return -1;
+    if (atomic_compare_exchange_weak_explicit(&w->claim, &c, c + 1, memory_order_acq_rel,
+                                              memory_order_acquire))
+      return (int)next;
+  }
+}
+
+/* Runs parts of job `job` until none is left. */
+static void run_parts(struct workers *w, uint32_t job) {
+  int p;
+  while ((p = take_part(w, job)) >= 0) {
+    run_part(w, p);
+    atomic_fetch_add_explicit(&w->done, 1, memory_order_release);
+  }
+}
+
 static void *helper_main(void *arg) {
-  struct helper_arg *a = arg;
-  struct workers *w = a->w;
-  const int me = a->index;
-  free(a);
+  struct workers *w = arg;
   uint64_t seen = 0;
   for (;;) {
     int64_t spin_end = now_ns() + SPIN_NS;
@@ -96,8 +115,7 @@ static void *helper_main(void *arg) {
     }
     if (atomic_load_explicit(&w->stop, memory_order_acquire)) return NULL;
     seen = g;
-    run_part(w, me); /* may be empty; every helper reports every job, so none lags behind */
-    atomic_fetch_sub_explicit(&w->pending, 1, memory_order_release);
+    run_parts(w, (uint32_t)g); /* a helper woken late finds the parts taken: nothing waits */
   }
 }
 
@@ -134,14 +152,7 @@ static void workers_start(struct chorus_comm *comm) {
   pthread_mutex_init(&w->mu, NULL);
   pthread_cond_init(&w->cv, NULL);
   for (int i = 0; i < want; i++) {
-    struct helper_arg *a = malloc(sizeof *a);
-    if (!a) break;
-    a->w = w;
-    a->index = i + 1;
-    if (pthread_create(&w->threads[i], NULL, helper_main, a) != 0) {
-      free(a);
-      break;
-    }
+    if (pthread_create(&w->threads[i], NULL, helper_main, w) != 0) break;
     w->started++;
   }
   if (w->started == 0) {
@@ -172,27 +183,35 @@ static void workers_run(struct chorus_comm *comm, size_t count, size_t elem_size
     fn(ctx, 0, count);
     return;
   }
-  /* Every helper takes part in every job (ranges may be empty), and the job's fields
-   * are written only while no helper reads them: the previous job ended with all of
-   * them done. Fewer, bigger ranges for jobs below MIN_PART_BYTES per thread. */
-  int nparts = w->nhelpers + 1;
+  /* One part per thread (fewer where parts would be under MIN_PART_BYTES), which whoever
+   * is free takes, the engine included: a job never waits for a particular thread, so a
+   * helper that is asleep or waiting for a core delays nothing (the engine takes its part),
+   * and helpers a small job leaves without a part need not wake up for it at all. */
   size_t fit = bytes / MIN_PART_BYTES;
-  int used = (size_t)nparts > fit ? (int)fit : nparts;
+  size_t most = (size_t)w->nhelpers + 1;
+  int parts = (int)(fit < most ? fit : most);
   w->fn = fn;
   w->ctx = ctx;
   w->count = count;
   w->unit = elem_size < 64 ? 64 / elem_size : 1; /* whole cache lines per range */
-  w->nparts = used; /* ranges used..nparts-1 are empty */
-  atomic_store_explicit(&w->pending, nparts - 1, memory_order_relaxed);
-  atomic_fetch_add_explicit(&w->gen, 1, memory_order_release);
-  if (atomic_load(&w->sleeping) > 0) {
+  w->nparts = parts;
+  atomic_store_explicit(&w->done, 0, memory_order_relaxed);
+  uint64_t gen = atomic_load_explicit(&w->gen, memory_order_relaxed) + 1;
+  uint32_t job = (uint32_t)gen;
+  atomic_store_explicit(&w->claim, ((uint64_t)job << 32) | ((uint64_t)parts << 16),
+                        memory_order_release);
+  atomic_store_explicit(&w->gen, gen, memory_order_release);
+  int asleep = atomic_load(&w->sleeping);
+  if (asleep > 0 && parts > 1) { /* wake as many as there are parts besides the engine's */
     pthread_mutex_lock(&w->mu);
-    pthread_cond_broadcast(&w->cv);
+    if (parts - 1 >= asleep) pthread_cond_broadcast(&w->cv);
+    else
+      for (int k = 0; k < parts - 1; k++) pthread_cond_signal(&w->cv);
     pthread_mutex_unlock(&w->mu);
   }
-  run_part(w, 0);
+  run_parts(w, job);
   unsigned polls = 0;
-  while (atomic_load_explicit(&w->pending, memory_order_acquire) > 0)
+  while (atomic_load_explicit(&w->done, memory_order_acquire) < parts)
     if ((++polls & 1023) == 0) sched_yield();
     else CPU_RELAX();
 }

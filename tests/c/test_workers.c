@@ -147,6 +147,31 @@ static void test_jobs(struct chorus_comm *c) {
   free(o);
 }
 
+/* Back-to-back jobs of 1 to 4 parts, some after the helpers went to sleep: every element is
+ * visited exactly once by its own job, and no late thread touches the previous job's array
+ * after that job returned (each job has its own of two arrays, the other one re-checked). */
+static void test_job_boundaries(struct chorus_comm *c) {
+  const size_t most = (5 << 20) / 16 + 64; /* elements of 8 bytes: up to 5 parts' worth */
+  _Atomic unsigned char *arr[2] = {calloc(most, 1), calloc(most, 1)};
+  if (!arr[0] || !arr[1]) exit(2);
+  size_t prev_n = 0, bad = 0, stale = 0;
+  for (int k = 0; k < 1000; k++) {
+    size_t n = (size_t)(64 << 10) / 8 * (size_t)(1 + k % 5) + (size_t)(k % 7);
+    _Atomic unsigned char *mine = arr[k & 1], *other = arr[(k + 1) & 1];
+    memset((void *)mine, 0, n);
+    struct visit_job j = {mine};
+    workers_for(c, n, 8, visit, &j);
+    for (size_t i = 0; i < n; i++) bad += mine[i] != 1;
+    for (size_t i = 0; k > 0 && i < prev_n; i++) stale += other[i] != 1;
+    prev_n = n;
+    if (k % 100 == 99) usleep(1000); /* past the helpers' spin: they sleep */
+  }
+  EXPECT(bad == 0, "back-to-back jobs: %zu elements visited != once", bad);
+  EXPECT(stale == 0, "back-to-back jobs: %zu elements of a finished job touched later", stale);
+  free((void *)arr[0]);
+  free((void *)arr[1]);
+}
+
 /* Copy lists: pieces of assorted lengths (empty ones included) from one buffer to another
  * in reverse order, each destination piece followed by a guard byte that must stay
  * untouched; lists shorter than, equal to and longer than what one job takes
@@ -214,6 +239,7 @@ int main(void) {
   comm_with_threads(&c, "4");
   test_ranges(&c);
   test_jobs(&c);
+  test_job_boundaries(&c);
   test_copy_list(&c);
   EXPECT(c.workers != NULL, "CHORUS_SHM_THREADS=4 started no helper");
   EXPECT(threads_of_process() == base + 3, "4 threads per rank: %d threads, expected %d",
@@ -233,6 +259,7 @@ int main(void) {
 
   comm_with_threads(&c, "2");
   test_jobs(&c);
+  test_job_boundaries(&c);
   EXPECT(threads_of_process() == base + 1, "2 threads: %d, expected %d", threads_of_process(),
          base + 1);
   workers_stop(&c);
