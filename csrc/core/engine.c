@@ -631,35 +631,53 @@ static void run_op(struct chorus_comm *comm, struct op *op) {
 #define NAP_NS 500000LL            /* one nap: the longest an unwaited post waits to start */
 #define NAP_WINDOW_NS 20000000LL   /* the engine naps this long after the last collective */
 
+/* Takes the next collective off the queue and makes it comm->current (mu held); NULL if
+ * there is none, or (cpu_only) if it is device work, which only the engine runs. */
+static struct op *queue_take_locked(struct chorus_comm *comm, int cpu_only) {
+  struct op *op = comm->queue_head;
+  if (!op || (cpu_only && op->on_device)) return NULL;
+  comm->queue_head = op->next;
+  if (!comm->queue_head) comm->queue_tail = NULL;
+  comm->current = op;
+  return op;
+}
+
+/* A waiter that will use req's communicator counts itself in inline_users; 0 if req is no
+ * longer queued (then comm may already be gone). The communicator outlives every request
+ * it has not completed, and engine_stop waits for inline_users to drop to 0 after
+ * completing them all: counted under req->mu while req is still queued, the caller may use
+ * comm until it gives the count back (inline_leave). */
+static int inline_enter(chorus_request_t *req) {
+  if (atomic_load(&req->state) != REQ_QUEUED) return 0; /* started: nothing to take over */
+  pthread_mutex_lock(&req->mu);
+  int queued = atomic_load(&req->state) == REQ_QUEUED;
+  if (queued) atomic_fetch_add(&req->comm->inline_users, 1);
+  pthread_mutex_unlock(&req->mu);
+  return queued;
+}
+static void inline_leave(struct chorus_comm *comm) { atomic_fetch_sub(&comm->inline_users, 1); }
+
+/* Wakes the engine from its idle sleep or nap to look at its work (mu held). */
+static void kick_locked(struct chorus_comm *comm) {
+  comm->kick = 1;
+  pthread_cond_signal(&comm->idle_cv);
+}
+
 /* Wakes the engine if req's collective sits deferred in the queue (chorus_test). */
 static void kick_deferred(chorus_request_t *req) {
+  if (!inline_enter(req)) return;
   struct chorus_comm *comm = req->comm;
-  pthread_mutex_lock(&req->mu); /* see run_inline: comm lives while req is not done */
-  int queued = atomic_load(&req->state) == REQ_QUEUED;
-  if (queued) atomic_fetch_add(&comm->inline_users, 1);
-  pthread_mutex_unlock(&req->mu);
-  if (!queued) return;
   pthread_mutex_lock(&comm->mu);
-  if (comm->napping) {
-    comm->kick = 1;
-    pthread_cond_signal(&comm->idle_cv);
-  }
+  if (comm->napping) kick_locked(comm);
   pthread_mutex_unlock(&comm->mu);
-  atomic_fetch_sub(&comm->inline_users, 1);
+  inline_leave(comm);
 }
 
 static void run_inline(chorus_request_t *req) {
+  if (!inline_enter(req)) return;
   struct chorus_comm *comm = req->comm;
-  /* The communicator outlives every request it has not completed, and engine_stop waits
-   * for inline_users to drop to 0 after completing them all: counted under req->mu while
-   * req is still queued, this thread may use comm until it gives the count back. */
-  pthread_mutex_lock(&req->mu);
-  int queued = atomic_load(&req->state) == REQ_QUEUED;
-  if (queued) atomic_fetch_add(&comm->inline_users, 1);
-  pthread_mutex_unlock(&req->mu);
-  if (!queued) return;
   if (pthread_mutex_trylock(&comm->run_mu) != 0) { /* the engine (or a waiter) runs ops */
-    atomic_fetch_sub(&comm->inline_users, 1);
+    inline_leave(comm);
     return;
   }
   while (atomic_load_explicit(&req->state, memory_order_acquire) == REQ_QUEUED) {
@@ -667,14 +685,7 @@ static void run_inline(chorus_request_t *req) {
       break;
     p2p_take_incoming(comm); /* progressed beside the collective, as the engine would */
     pthread_mutex_lock(&comm->mu);
-    struct op *op = comm->queue_head;
-    if (op && !op->on_device) {
-      comm->queue_head = op->next;
-      if (!comm->queue_head) comm->queue_tail = NULL;
-      comm->current = op;
-    } else {
-      op = NULL;
-    }
+    struct op *op = queue_take_locked(comm, 1);
     pthread_mutex_unlock(&comm->mu);
     if (!op) break;
     run_op(comm, op);
@@ -685,13 +696,10 @@ static void run_inline(chorus_request_t *req) {
   kick = kick || comm->p2p_incoming || atomic_load(&comm->failed) ||
          atomic_load(&comm->stop) || atomic_load(&comm->aborted) ||
          (comm->queue_head && !comm->napping);
-  if (kick) {
-    comm->kick = 1;
-    pthread_cond_signal(&comm->idle_cv);
-  }
+  if (kick) kick_locked(comm);
   pthread_mutex_unlock(&comm->mu);
   if (kick) engine_wake(comm);
-  atomic_fetch_sub(&comm->inline_users, 1);
+  inline_leave(comm);
 }
 
 /* ---------------------------------------------------------------- the thread */
@@ -704,12 +712,7 @@ static void *engine_main(void *arg) {
     pthread_mutex_lock(&comm->run_mu);
     p2p_take_incoming(comm);
     pthread_mutex_lock(&comm->mu);
-    struct op *op = comm->queue_head;
-    if (op) {
-      comm->queue_head = op->next;
-      if (!comm->queue_head) comm->queue_tail = NULL;
-      comm->current = op;
-    }
+    struct op *op = queue_take_locked(comm, 0);
     comm->kick = 0;
     int stopping = atomic_load(&comm->stop);
     pthread_mutex_unlock(&comm->mu);
@@ -743,9 +746,8 @@ static void *engine_main(void *arg) {
     pthread_mutex_lock(&comm->mu);
     while (!comm->queue_head && !comm->p2p_incoming && !comm->kick && !atomic_load(&comm->stop) &&
            !atomic_load(&comm->aborted) && !woke) {
-      int64_t now = now_ns();
       int nap = comm->spin == 0 &&
-                now - atomic_load_explicit(&comm->last_run_ns, memory_order_relaxed) <
+                now_ns() - atomic_load_explicit(&comm->last_run_ns, memory_order_relaxed) <
                     NAP_WINDOW_NS;
       comm->napping = nap;
       if (!watch && !nap) {

@@ -62,8 +62,8 @@ static void part_range(size_t count, size_t unit, int nparts, int p, size_t *b, 
   *e = ue * unit < count ? ue * unit : count;
 }
 
+/* p < nparts: take_part hands out only the current job's parts */
 static void run_part(struct workers *w, int p) {
-  if (p >= w->nparts) return;
   size_t b, e;
   part_range(w->count, w->unit, w->nparts, p, &b, &e);
   if (e > b) w->fn(w->ctx, b, e);

@@ -48,7 +48,6 @@ def part_cpu():
     me = str(threading.get_native_id())
     before = {tid: cpu_ns(tid) for tid in engines + [me]}
     t0 = time.perf_counter()
-    t = torch.ones(1)
     for _ in range(n):
         t.fill_(rank + 1)
         dist.all_reduce(t)
