@@ -56,6 +56,7 @@
 #define STAGE_MAX ((size_t)64 << 20)   /* largest reducing payload staged by an I/O thread */
 #define STAGE_TOTAL ((size_t)256 << 20) /* staging buffers of a rank, all connections */
 #define RING_MIN (64u << 10)
+#define RX_PEEK ((size_t)64 << 10)
 #define RING_MAX ((size_t)1 << 30)
 
 union sockaddr_any {
@@ -143,6 +144,11 @@ struct sock_conn {
   /* A staged payload (sock_stage): rxj receives it into stage; peek and consume serve it
    * once the ring's bytes before it are consumed. */
   int staging;
+  /* Collective connections read ahead only RX_PEEK bytes past what was consumed (enough
+   * for headers and small payloads), except through a payload announced by ops->stage:
+   * up to rx_want. A copied payload's bytes then wait in the kernel for read_direct. */
+  int peek_only;
+  uint64_t rx_want;
   uint8_t *stage;
   size_t stage_cap, stage_len, stage_got, stage_pos;
   uint64_t peer_failed_seq;
@@ -401,6 +407,7 @@ static chorus_result_t conn_new(struct chorus_comm *comm, int fd, int peer, int 
   s->base.comm = comm;
   s->base.peer = peer;
   s->base.channel = ch;
+  s->peek_only = ch == CHAN_COLL && nsub == 1;
   s->nsub = nsub > 1 ? nsub : 1;
   s->size = size;
   if (nsub > 1) {
@@ -646,11 +653,20 @@ static int io_threads_for(const struct chorus_comm *comm, int peers) {
 /* How far ahead of the reader progress() fills the receive ring: all of it, or with I/O
  * threads IO_MIN bytes, so that the rest of a big payload waits in the kernel until its
  * message is read and a thread receives it (read_direct, stage) instead of the engine.
+ * On collective connections, RX_PEEK bytes unless the reader announced a payload it reads
+ * through the ring (peek_only, rx_want): a payload copied out of the ring would cost one
+ * memcpy more than read_direct's receive straight into the destination.
  * Single-stream connections only (striped ones fill their ring by stripes). */
 static size_t rx_window(const struct sock_conn *s) {
   const struct sock_state *st = s->base.comm->sock;
-  if (st && st->nio > 0 && !st->io_stopped && s->size > IO_MIN) return IO_MIN;
-  return s->size;
+  size_t w = s->size;
+  if (st && st->nio > 0 && !st->io_stopped && w > IO_MIN) w = IO_MIN;
+  if (s->peek_only) {
+    size_t want = s->rx_want > s->rx_head ? (size_t)(s->rx_want - s->rx_head) : 0;
+    if (want < RX_PEEK) want = RX_PEEK;
+    if (want < w) w = want;
+  }
+  return w;
 }
 
 /* Starts the rank's I/O threads (first big payload); 0 if there are none to use. */
@@ -1214,11 +1230,11 @@ static chorus_result_t sock_read_direct(conn_t *c, void *dst, size_t n, size_t *
     s->starving = 0;
     return CHORUS_SUCCESS;
   }
-  /* dst first, then the whole (empty) ring from the stream position after dst */
+  /* dst first, then the (empty) ring's window from the stream position after dst */
   struct iovec iov[3];
   iov[0].iov_base = dst;
   iov[0].iov_len = n;
-  int k = ring_iov(s->rx, s->size, s->rx_tail + n, s->size, iov + 1);
+  int k = ring_iov(s->rx, s->size, s->rx_tail + n, rx_window(s), iov + 1);
   struct msghdr mh = {0};
   mh.msg_iov = iov;
   mh.msg_iovlen = (size_t)k + 1;
@@ -1254,6 +1270,7 @@ static chorus_result_t sock_read_direct(conn_t *c, void *dst, size_t n, size_t *
 static chorus_result_t sock_stage(conn_t *c, size_t n) {
   struct sock_conn *s = (struct sock_conn *)c;
   if (s->err || s->staging || s->rx_job || s->eof || s->direct_rx) return CHORUS_SUCCESS;
+  s->rx_want = s->rx_head + n; /* the ring may read ahead through this payload */
   size_t have = (size_t)(s->rx_tail - s->rx_head);
   if (have >= n) return CHORUS_SUCCESS;
   /* The payload starts on a 16-byte boundary of the stream and the ring keeps index ==
