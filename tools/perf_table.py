@@ -2,7 +2,8 @@
 """Markdown tables for docs/PERFORMANCE.md from the JSON records that tools/perf_cpu.sh
 writes (python -m chorus.bench --compare gloo --json).
 
-Usage: python3 tools/perf_table.py DIR [NAME ...]   (default names: all_reduce others socket)
+Usage: python3 tools/perf_table.py DIR [NAME ...]   (default names: all_reduce others socket;
+NAME.json, or else the bands NAME-*.json of one sweep, merged)
 
 For every collective in a file: one row per size with chorus's and gloo's time (out-of-place
 and in-place, microseconds), the speed-up (gloo time / chorus time; with equal bytes this is
@@ -57,13 +58,23 @@ def main(argv):
         return 2
     d, names = argv[0], argv[1:] or ["all_reduce", "others", "socket"]
     for name in names:
-        path = os.path.join(d, name + ".json")
-        with open(path) as f:
-            records = json.load(f)
-        mem = [r for r in records if r.get("op") == "memcpy"]
+        # NAME.json, or the bands NAME-1.json, NAME-2.json, ... of one sweep
+        paths = [os.path.join(d, name + ".json")]
+        if not os.path.exists(paths[0]):
+            paths = sorted(os.path.join(d, f) for f in os.listdir(d)
+                           if f.startswith(name + "-") and f.endswith(".json"))
+        if not paths:
+            print(f"perf_table: no {name}.json or {name}-*.json in {d}", file=sys.stderr)
+            return 1
+        records, mems = [], []
+        for path in paths:
+            with open(path) as f:
+                rs = json.load(f)
+            mems += [f"{r['busbw_gbps']:.2f}" for r in rs if r.get("op") == "memcpy"][:1]
+            records += rs
         print(f"### {name}\n")
-        if mem:
-            print(f"memcpy (1 core): {mem[0]['busbw_gbps']:.2f} GB/s\n")
+        if mems:
+            print(f"memcpy (1 core, one figure per job): {', '.join(mems)} GB/s\n")
         print(table(records))
     return 0
 
