@@ -1093,7 +1093,11 @@ static chorus_result_t sock_progress(conn_t *c, int *progressed) {
     if (!s->eof && !s->rx_job && !s->staging && !(s->direct_rx && s->rx_head == s->rx_tail)) {
       /* Restart an empty ring near offset 0 but keep index == stream position mod 16: the
        * ring end must stay a 16-byte boundary of the stream so no element straddles it. */
-      if (s->rx_head == s->rx_tail) s->rx_head = s->rx_tail = s->rx_tail % 16;
+      if (s->rx_head == s->rx_tail) {
+        uint64_t to = s->rx_tail % 16, by = s->rx_tail - to;
+        s->rx_want = s->rx_want > s->rx_tail ? s->rx_want - by : 0; /* moves along */
+        s->rx_head = s->rx_tail = to;
+      }
       size_t used = (size_t)(s->rx_tail - s->rx_head), win = rx_window(s);
       size_t space = used < win ? win - used : 0;
       if (space) {
