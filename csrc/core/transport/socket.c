@@ -104,6 +104,9 @@ struct sock_state {
   /* I/O threads: nio wanted (0: none), started lazily at the first big payload */
   int nio, io_started, io_next, io_stopped;
   size_t stage_total;        /* bytes of the connections' staging buffers */
+  /* Received bytes of the closed connections by where they landed: the caller's buffer
+   * (read_direct), a receive ring, a staging buffer (reductions' I/O threads). */
+  uint64_t rx_direct, rx_ring, rx_staged;
   struct sock_io io[IO_MAX];
 };
 
@@ -149,6 +152,7 @@ struct sock_conn {
    * up to rx_want. A copied payload's bytes then wait in the kernel for read_direct. */
   int peek_only;
   uint64_t rx_want;
+  uint64_t n_direct, n_ring, n_staged; /* received bytes by where they landed */
   uint8_t *stage;
   size_t stage_cap, stage_len, stage_got, stage_pos;
   uint64_t peer_failed_seq;
@@ -824,6 +828,7 @@ static chorus_result_t stage_collect(struct sock_conn *s) {
     chorus_result_t r = direct_collect(s, &s->rxj, &s->rx_job, s->stage + s->stage_got, "recv",
                                        &d);
     s->stage_got += d;
+    s->n_staged += d;
     if (r != CHORUS_SUCCESS) return r;
   }
   if (!s->rx_job && s->stage_pos == s->stage_len) s->staging = 0;
@@ -939,6 +944,7 @@ static chorus_result_t striped_recv(struct sock_conn *s, int *moved) {
         return conn_fail(s, errno, "recv");
       } else {
         sub_advance(s, &u->rpos, (uint64_t)r);
+        s->n_ring += (uint64_t)r;
         *moved = 1;
         if ((size_t)r < len) break;
       }
@@ -1107,6 +1113,7 @@ static chorus_result_t sock_progress(conn_t *c, int *progressed) {
         ssize_t r = recvmsg(s->fd, &mh, MSG_DONTWAIT);
         if (r > 0) {
           s->rx_tail += (uint64_t)r;
+          s->n_ring += (uint64_t)r;
           moved = 1;
         } else if (r == 0) {
           s->eof = 1;
@@ -1216,6 +1223,7 @@ static chorus_result_t sock_read_direct(conn_t *c, void *dst, size_t n, size_t *
     chorus_result_t r = direct_collect(s, &s->rxj, &s->rx_job, dst, "recv", &d);
     if (d) {
       *got = d;
+      s->n_direct += d;
       s->rx_head = s->rx_tail = s->rx_tail + d;
       *progressed = 1;
     }
@@ -1255,9 +1263,12 @@ static chorus_result_t sock_read_direct(conn_t *c, void *dst, size_t n, size_t *
   }
   if ((size_t)r <= n) {
     *got = (size_t)r;
+    s->n_direct += (uint64_t)r;
     s->rx_head = s->rx_tail = s->rx_tail + (uint64_t)r;
   } else {
     *got = n;
+    s->n_direct += n;
+    s->n_ring += (uint64_t)r - n;
     s->rx_head = s->rx_tail + n;
     s->rx_tail += (uint64_t)r;
   }
@@ -1320,6 +1331,11 @@ static void sock_close(conn_t *c) {
   if (s->epfd >= 0 && close(s->epfd) != 0)
     TRACE(SUB_NET, c->comm ? c->comm->rank : -1, "socket: close: %s", strerror(errno));
   if (s->stage && c->comm && c->comm->sock) c->comm->sock->stage_total -= s->stage_cap;
+  if (c->comm && c->comm->sock) {
+    c->comm->sock->rx_direct += s->n_direct;
+    c->comm->sock->rx_ring += s->n_ring;
+    c->comm->sock->rx_staged += s->n_staged;
+  }
   free(s->stage);
   free(s->sub);
   free(s->tx);
@@ -2018,6 +2034,12 @@ void socket_teardown(struct chorus_comm *comm) {
   if (!comm || !comm->sock) return;
   struct sock_state *st = comm->sock;
   socket_stop_io(comm);
+  uint64_t rx = st->rx_direct + st->rx_ring + st->rx_staged;
+  if (rx)
+    INFO(SUB_NET, comm->rank, "socket: received %llu bytes: %.1f%% straight into the callers' "
+         "buffers, %.1f%% through receive rings, %.1f%% through staging buffers",
+         (unsigned long long)rx, 100.0 * (double)st->rx_direct / (double)rx,
+         100.0 * (double)st->rx_ring / (double)rx, 100.0 * (double)st->rx_staged / (double)rx);
   if (st->listen_fd >= 0 && close(st->listen_fd) != 0)
     TRACE(SUB_NET, comm->rank, "socket: closing the listener: %s", strerror(errno));
   free(st);
