@@ -150,7 +150,6 @@ struct sock_conn {
   /* Collective connections read ahead only RX_PEEK bytes past what was consumed (enough
    * for headers and small payloads), except through a payload announced by ops->stage:
    * up to rx_want. A copied payload's bytes then wait in the kernel for read_direct. */
-  int peek_only;
   uint64_t rx_want;
   uint64_t n_direct, n_ring, n_staged; /* received bytes by where they landed */
   uint8_t *stage;
@@ -411,7 +410,6 @@ static chorus_result_t conn_new(struct chorus_comm *comm, int fd, int peer, int 
   s->base.comm = comm;
   s->base.peer = peer;
   s->base.channel = ch;
-  s->peek_only = ch == CHAN_COLL && nsub == 1;
   s->nsub = nsub > 1 ? nsub : 1;
   s->size = size;
   if (nsub > 1) {
@@ -658,14 +656,14 @@ static int io_threads_for(const struct chorus_comm *comm, int peers) {
  * threads IO_MIN bytes, so that the rest of a big payload waits in the kernel until its
  * message is read and a thread receives it (read_direct, stage) instead of the engine.
  * On collective connections, RX_PEEK bytes unless the reader announced a payload it reads
- * through the ring (peek_only, rx_want): a payload copied out of the ring would cost one
+ * through the ring (rx_want): a payload copied out of the ring would cost one
  * memcpy more than read_direct's receive straight into the destination.
  * Single-stream connections only (striped ones fill their ring by stripes). */
 static size_t rx_window(const struct sock_conn *s) {
   const struct sock_state *st = s->base.comm->sock;
   size_t w = s->size;
   if (st && st->nio > 0 && !st->io_stopped && w > IO_MIN) w = IO_MIN;
-  if (s->peek_only) {
+  if (s->base.channel == CHAN_COLL) {
     size_t want = s->rx_want > s->rx_head ? (size_t)(s->rx_want - s->rx_head) : 0;
     if (want < RX_PEEK) want = RX_PEEK;
     if (want < w) w = want;
