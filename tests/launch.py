@@ -4,7 +4,9 @@ Each rank is a real process (env:// rendezvous through RANK/WORLD_SIZE/MASTER_AD
 in its own session so that a hard timeout can kill it and everything it started. Output goes to
 files, not pipes, so a chatty rank can never block on a full pipe.
 """
+import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -86,6 +88,16 @@ class JobResult:
                 out = "...[cut]...\n" + out[-tail_chars:]
             lines.append(f"--- rank {r.rank} exit code {r.returncode} ---\n{out}")
         return "\n".join(lines)
+
+    def results(self):
+        """The JSON of each rank's `RESULT ...` line (what a worker prints for its test to
+        judge), by rank; asserts that every rank printed one."""
+        out = {}
+        for r in self.ranks:
+            m = re.search(r"^RESULT (.*)$", r.output, re.M)
+            assert m, self.describe()
+            out[r.rank] = json.loads(m.group(1))
+        return out
 
 
 def _kill_group(proc, sig):

@@ -2,7 +2,6 @@
 the ranks of a host may use: the union of their affinity masks, not the host's CPU count. Two
 ranks pinned to one CPU share 1 core; pinned to two different CPUs they have 2; the group
 works either way."""
-import json
 import os
 import re
 
@@ -27,10 +26,9 @@ def test_cores_are_the_union_of_the_ranks_affinity_masks(layout):
     res = run_job(f"affinity-{layout}", WORKER, 2, env=env, timeout=120)
     assert res.ok, res.describe()
     want = len(set(picks))
+    results = res.results()
     for r in res.ranks:
-        m = re.search(r"^RESULT (.*)$", r.output, re.M)
-        assert m, res.describe()
-        got = json.loads(m.group(1))
+        got = results[r.rank]
         assert got["correct"] and got["cpus"] == [picks[r.rank]], got
         m = re.search(r"(\d+) cores for the 2 ranks on this host \(the union of their affinity "
                       r"masks; this rank may use (\d+)\)", r.output)

@@ -2,7 +2,6 @@
 peer and channel (3 peers x 2 channels x 17 descriptors each) after every rank lowered its
 soft RLIMIT_NOFILE to a few above what it had open. Chorus raises the soft limit within the
 hard one, says so at INFO, and the job runs correctly."""
-import json
 import os
 import re
 
@@ -16,10 +15,9 @@ def test_soft_open_file_limit_is_raised_for_striped_connections():
            "CHORUS_DEBUG": "INFO", "CHORUS_DEBUG_SUBSYS": "NET"}
     res = run_job("fd-limit", WORKER, 4, env=env, timeout=180)
     assert res.ok, res.describe()
+    results = res.results()
     for r in res.ranks:
-        m = re.search(r"^RESULT (.*)$", r.output, re.M)
-        assert m, res.describe()
-        got = json.loads(m.group(1))
+        got = results[r.rank]
         assert got["correct"], got
         # 102 descriptors for the connections did not fit under the lowered limit
         assert got["soft_after"] > got["lowered_to"], got

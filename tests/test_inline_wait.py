@@ -4,9 +4,7 @@ sleeping until the engine wakes it (docs/design.md, "Waiters run the collective"
 tests check that the caller, not the engine thread, does the work of blocking collectives;
 that a collective nobody waits for still starts; and that async collectives waited out of
 order, from two threads, polled, and mixed with point-to-point messages all stay correct."""
-import json
 import os
-import re
 
 from launch import WORKERS, run_job
 
@@ -14,20 +12,11 @@ WORKER = os.path.join(WORKERS, "inline_wait.py")
 NOSPIN = {"CHORUS_SPIN_COUNT": "0"}  # the oversubscribed mode, whatever the runner's cores
 
 
-def results(res):
-    out = {}
-    for r in res.ranks:
-        m = re.search(r"^RESULT (.*)$", r.output, re.M)
-        assert m, res.describe()
-        out[r.rank] = json.loads(m.group(1))
-    return out
-
-
 def test_blocking_collectives_run_on_the_calling_thread():
     res = run_job("inline-cpu", WORKER, 2, env=dict(NOSPIN, CHORUS_TEST_PART="cpu"),
                   timeout=180)
     assert res.ok, res.describe()
-    for rank, got in results(res).items():
+    for rank, got in res.results().items():
         assert got["correct"] and got["engines"] == 1, got
         # The engine thread only naps (a timed sleep every 0.5 ms): a few microseconds per
         # wake-up. Running the all_reduces itself it would take a large share of the
@@ -39,7 +28,7 @@ def test_a_collective_nobody_waits_for_still_starts():
     res = run_job("inline-unwaited", WORKER, 3, env=dict(NOSPIN, CHORUS_TEST_PART="unwaited"),
                   timeout=120)
     assert res.ok, res.describe()
-    got = results(res)
+    got = res.results()
     assert all(g["correct"] for g in got.values()), got
     for rank in (1, 2):
         # rank 0 sleeps 2 s before it waits: its engine started the collective long before
@@ -51,5 +40,5 @@ def test_out_of_order_threaded_and_polled_waits_with_p2p():
         res = run_job("inline-mixed", WORKER, 3, env=dict(extra, CHORUS_TEST_PART="mixed"),
                       timeout=180)
         assert res.ok, res.describe()
-        got = results(res)
+        got = res.results()
         assert all(g["correct"] for g in got.values()), (extra, got)

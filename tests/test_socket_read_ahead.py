@@ -3,7 +3,6 @@ all-to-all, broadcast) is received straight into the caller's buffer, not throug
 connection's receive ring: the ring reads only 64 KiB ahead of the reader, except through a
 payload a reduction announced (docs/design.md, "Socket I/O threads", Read-ahead). The core
 says at destroy (CHORUS_DEBUG=INFO) where each rank's received bytes landed."""
-import json
 import os
 import re
 
@@ -19,9 +18,9 @@ def test_copied_payloads_skip_the_receive_ring():
            "CHORUS_DEBUG_SUBSYS": "NET"}
     res = run_job("read-ahead", WORKER, 3, env=env, timeout=180)
     assert res.ok, res.describe()
+    results = res.results()
     for r in res.ranks:
-        m = re.search(r"^RESULT (.*)$", r.output, re.M)
-        assert m and json.loads(m.group(1))["correct"], res.describe()
+        assert results[r.rank]["correct"], res.describe()
         got = LINE.search(r.output)
         assert got, res.describe()
         total, direct, ring = int(got.group(1)), float(got.group(2)), float(got.group(3))
