@@ -293,6 +293,25 @@ def test_failed_rank_is_reported_and_nothing_is_left():
     assert not leftover_ranks(token)
 
 
+@pytest.mark.parametrize("same", [False, True], ids=["session-each", "same-session"])
+def test_rank_sessions(same):
+    # Each rank leads a session of its own, as under torchrun, unless --same-session; the
+    # header says which. With --same-session each rank still leads its own process group,
+    # so a failed rank's peers are stopped without signalling the launcher's group.
+    extra = ["--same-session"] if same else []
+    rc, out, err, _ = bench("--nproc", 2, *extra, "-o", "all_reduce", "-b", "8", "-e", "8",
+                            "-n", "2", "-w", "0")
+    assert rc == 0, out + err
+    want = "shares its launcher's session" if same else "leads a session of its own"
+    assert f"# session: rank 0 {want}; kernel autogroup scheduling" in out, out
+    rc, out, err, token = bench("--nproc", 2, *extra, "-o", "all_reduce", "-b", "1K", "-e",
+                                "1K", "-n", "2", "--kill-after", "5",
+                                env={"_CHORUS_BENCH_TEST_FAIL_RANK": "1"})
+    assert rc == 1, out + err
+    assert "bench: rank 1 failed (exit code 7)" in err, err
+    assert not leftover_ranks(token)
+
+
 def run_main(capsys, args):
     """chorus.bench.main in this process (argument errors are found before any rank starts,
     so this is the same code path as the command, without the cost of a torch import)."""
@@ -315,7 +334,9 @@ def run_main(capsys, args):
     (["-d", "int32", "--redop", "avg"], "only defined here for floating types"),
     (["-d", "complex"], "unknown datatype 'complex'"),
     (["--compare", "chorus"], "is the backend under test already"),
-], ids=["op", "min-max", "size", "factor", "root", "avg-int", "dtype", "compare-self"])
+    (["--same-session"], "--same-session applies only to ranks started with --nproc"),
+], ids=["op", "min-max", "size", "factor", "root", "avg-int", "dtype", "compare-self",
+        "same-session"])
 def test_bad_input_is_a_clear_error(capsys, args, message):
     rc, out, err = run_main(capsys, args)
     assert rc == 2, out + err
@@ -347,7 +368,7 @@ def test_help_documents_every_flag(capsys):
     assert rc == 0, err
     for flag in ("--op", "--minbytes", "--maxbytes", "--stepfactor", "--iters",
                  "--warmup_iters", "--blocking", "--check", "--datatype", "--root", "--redop", "--device",
-                 "--backend", "--compare", "--nproc", "--json", "--plot", "busbw",
+                 "--backend", "--compare", "--nproc", "--same-session", "--json", "--plot", "busbw",
                  "memcpy (1 core)", "speed-up", "in-place", "K/M/G"):
         assert flag in out, flag
     for op in OPS:

@@ -209,6 +209,12 @@ def build_parser():
     ap.add_argument("--nproc", type=int, default=0, metavar="N",
                     help="start N local ranks (127.0.0.1, free port) instead of reading "
                     "torchrun's environment; sets OMP_NUM_THREADS=1 where unset, as torchrun")
+    ap.add_argument("--same-session", action="store_true",
+                    help="with --nproc: start the ranks in this launcher's session (each in a "
+                    "process group of its own) instead of one session each as torchrun does; "
+                    "where the kernel schedules by session (sched_autogroup_enabled), this "
+                    "changes how ranks that outnumber the cores share them (a diagnostic: "
+                    "the bars use the default)")
     ap.add_argument("--kill-after", type=float, default=10.0, metavar="S",
                     help="with --nproc: seconds the other ranks get to exit by themselves "
                     "after one fails, before they are killed (default 10)")
@@ -259,6 +265,8 @@ def validate(args):
         raise UsageError("-w/--warmup_iters must be >= 0")
     if args.nproc < 0:
         raise UsageError("--nproc must be >= 1")
+    if args.same_session and not args.nproc:
+        raise UsageError("--same-session applies only to ranks started with --nproc")
     world = args.nproc or int(os.environ.get("WORLD_SIZE", "0") or 0)
     if world and not 0 <= args.root < world:
         raise UsageError(f"-r/--root {args.root} is not a rank of {world}")
@@ -956,6 +964,23 @@ def run_rank(args):
             pass
 
 
+def session_note():
+    """How rank 0 shares the CPU: in a session of its own (torchrun, --nproc) or not, and
+    whether the kernel schedules sessions as groups (autogroup), which changes how ranks
+    that outnumber the cores take turns (docs/PERFORMANCE.md, 2-core machine)."""
+    try:
+        own = os.getsid(0) == os.getpid()
+    except OSError:
+        return "session: unknown"
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            auto = "on" if f.read().strip() == "1" else "off"
+    except OSError:
+        auto = "unknown"
+    where = "leads a session of its own" if own else "shares its launcher's session"
+    return f"session: rank 0 {where}; kernel autogroup scheduling {auto}"
+
+
 def bench(ctx, args):
     def out(line):
         print(line, flush=True)
@@ -988,6 +1013,7 @@ def bench(ctx, args):
             f"{gbps:.2f} GB/s (torch copy_ of 64 MiB on one thread, best of 5, bytes counted "
             "once)")
         out(f"# torch {torch.__version__}, chorus {cver}")
+        out(f"# {session_note()}")
         records.append(dict(op="memcpy", backend="torch", bytes=MEMCPY_BYTES,
                             count=MEMCPY_BYTES, dtype="uint8", redop=None, inplace=False,
                             time_us=best * 1e6, algbw_gbps=gbps, busbw_gbps=gbps, wrong=None))
@@ -1061,6 +1087,14 @@ def launch(args, argv):
     else:
         cmd = [sys.executable, os.path.abspath(__file__), *argv]
     preexec = _die_with_parent_fn() if sys.platform.startswith("linux") else None
+    if args.same_session:
+        # a process group of its own still lets stop_all signal the rank and its children
+        pdeath = preexec
+
+        def preexec():
+            os.setpgid(0, 0)
+            if pdeath is not None:
+                pdeath()
     procs = []
 
     def stop_all():
@@ -1089,7 +1123,8 @@ def launch(args, argv):
                        MASTER_PORT=str(port), **{CHILD_ENV: marker})
             env.setdefault("OMP_NUM_THREADS", "1")
             procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
-                                          start_new_session=True, preexec_fn=preexec))
+                                          start_new_session=not args.same_session,
+                                          preexec_fn=preexec))
         while True:
             codes = [p.poll() for p in procs]
             if all(c is not None for c in codes):
