@@ -73,7 +73,8 @@ def _rank(rank, world, args, port, outdir):
 def _stats(xs):
     ys = sorted(xs)
     k = len(ys)
-    return f"{ys[k // 10] / 1e3:7.2f} {statistics.median(ys) / 1e3:7.2f} {ys[9 * k // 10] / 1e3:7.2f}"
+    p10, med, p90 = ys[k // 10], statistics.median(ys), ys[9 * k // 10]
+    return f"{p10 / 1e3:7.2f} {med / 1e3:7.2f} {p90 / 1e3:7.2f}"
 
 
 def report(outdir, ops, n):
