@@ -1,0 +1,59 @@
+"""tools/op_timeline.py and tools/launch_cost.py, the diagnostics docs/PERFORMANCE.md quotes:
+both run, and print one row per case with numbers that hold together."""
+import os
+import re
+import subprocess
+import sys
+
+from launch import REPO
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def run(args, timeout=240):
+    p = subprocess.run([sys.executable, *args], cwd=REPO, env=ENV, capture_output=True,
+                       text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout
+
+
+def test_op_timeline_rows(tmp_path):
+    ops = ["broadcast", "all_reduce", "all_gather_ip"]
+    out = run(["tools/op_timeline.py", "--nproc", "2", "--ops", ",".join(ops), "--bytes",
+               "64", "-n", "100", "--keep", str(tmp_path)])
+    rows = {}
+    for line in out.splitlines():
+        f = line.replace("|", " ").split()
+        if f and f[0] in ops:
+            rows[(f[0], int(f[1]))] = [float(x) for x in f[2:]]
+    assert sorted(rows) == sorted((op, r) for op in ops for r in (0, 1)), out
+    for key, v in rows.items():
+        assert len(v) == 13, (key, v)  # us/op, then p10/median/p90 of four intervals
+        per_call, launch, start, run_, gap = v[0], v[1:4], v[4:7], v[7:10], v[10:13]
+        for trio in (launch, start, run_, gap):
+            assert 0 <= trio[0] <= trio[1] <= trio[2], (key, v)
+        # the engine cannot start calls faster than they are queued, nor the whole loop
+        # (queueing, then waiting for all) take less than the median start interval allows
+        assert start[1] >= 0.5 * launch[1], (key, v)
+        assert per_call > 0 and start[1] <= 3 * per_call, (key, v)
+    # one flight record per op and rank, as written by the ranks
+    for op in ops:
+        assert len(list((tmp_path / op).glob("*.json"))) == 2, op
+
+
+def test_op_timeline_rejects_unknown_op():
+    p = subprocess.run([sys.executable, "tools/op_timeline.py", "--ops", "bogus"], cwd=REPO,
+                       env=ENV, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "ops from" in p.stderr, p.stderr
+
+
+def test_launch_cost_layers():
+    out = run(["tools/launch_cost.py", "chorus"])
+    got = dict(re.findall(r"^chorus\s+(\S+)\s+([\d.]+) us per launch$", out, re.M))
+    names = [f"{layer}.{op}" for op in ("broadcast", "allreduce") for layer in ("pg", "backend")]
+    names += ["dist.broadcast", "dist.all_reduce"]
+    assert sorted(got) == sorted(names), out
+    for name, us in got.items():
+        assert 0 < float(us) < 1000, (name, us)
+    # torch's Python function does at least what the ProcessGroup call it makes does
+    assert float(got["dist.broadcast"]) > 0.8 * float(got["pg.broadcast"]), out
