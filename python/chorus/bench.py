@@ -1091,10 +1091,11 @@ def launch(args, argv):
         # a process group of its own still lets stop_all signal the rank and its children
         pdeath = preexec
 
-        def preexec():
+        def own_group():
             os.setpgid(0, 0)
             if pdeath is not None:
                 pdeath()
+        preexec = own_group
     procs = []
 
     def stop_all():
