@@ -21,8 +21,10 @@ def main(argv=None):
     be = argv[0] if argv else "chorus"
     if be == "chorus":
         import chorus  # noqa: F401  (registers the backend)
+    from chorus.bench import free_port
+
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group(be, rank=0, world_size=1)
     t = torch.zeros(2)
     pg = dist.group.WORLD

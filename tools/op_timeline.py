@@ -83,7 +83,8 @@ def report(outdir, ops, n):
     for op in ops:
         d = os.path.join(outdir, op)
         for path in sorted(glob.glob(os.path.join(d, "*.json"))):
-            rec = json.load(open(path))
+            with open(path) as f:
+                rec = json.load(f)
             es = [e for e in rec["entries"] if e.get("op") != "barrier"][-n:]
             rank = rec.get("rank", "?")
             q = [e["queued_ns"] for e in es]
@@ -116,12 +117,10 @@ def main(argv=None):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["CHORUS_TRACE_BUFFER_SIZE"] = str(args.n + 500)
     outdir = args.keep or tempfile.mkdtemp(prefix="op_timeline.")
-    import random
-
     import torch.multiprocessing as mp
+    from chorus.bench import free_port
 
-    mp.spawn(_rank, args=(args.nproc, args, random.randint(20000, 40000), outdir),
-             nprocs=args.nproc)
+    mp.spawn(_rank, args=(args.nproc, args, free_port(), outdir), nprocs=args.nproc)
     report(outdir, args.ops, args.n)
     return 0
 
