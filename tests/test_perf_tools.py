@@ -32,10 +32,11 @@ def test_op_timeline_rows(tmp_path):
         per_call, launch, start, run_, gap = v[0], v[1:4], v[4:7], v[7:10], v[10:13]
         for trio in (launch, start, run_, gap):
             assert 0 <= trio[0] <= trio[1] <= trio[2], (key, v)
-        # the engine cannot start calls faster than they are queued, nor the whole loop
-        # (queueing, then waiting for all) take less than the median start interval allows
-        assert start[1] >= 0.5 * launch[1], (key, v)
-        assert per_call > 0 and start[1] <= 3 * per_call, (key, v)
+        # every timed call is queued and started inside the timed loop, so the n-1 intervals
+        # of each kind sum to at most n x us/op, and no more than half of them can exceed
+        # twice their mean: the medians are at most ~2 x us/op
+        assert per_call > 0, (key, v)
+        assert launch[1] <= 3 * per_call and start[1] <= 3 * per_call, (key, v)
     # one flight record per op and rank, as written by the ranks
     for op in ops:
         assert len(list((tmp_path / op).glob("*.json"))) == 2, op
