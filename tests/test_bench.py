@@ -254,6 +254,52 @@ def test_blocking_waits_before_each_launch(monkeypatch, blocking):
         assert calls == ["start0", "drain", "start0", "start1", "start2", "drain"]
 
 
+def test_emulated_out_of_place_rotates_output_buffers(monkeypatch):
+    # One output buffer per call within 4 MiB (at least two); call k copies into buffer
+    # k % depth and waits first for the call that last used it, never for a newer one.
+    import torch
+    from chorus import bench as B
+    ctx = B.Ctx()
+    ctx.iters, ctx.warmup, ctx.world, ctx.rank, ctx.root = 10, 2, 2, 1, 0
+    ctx.dtype, ctx.device, ctx.cuda, ctx.redop = torch.float32, "cpu", False, None
+    assert len(B.Buffers("all_reduce", 32, 8, ctx).out) == 10
+    assert len(B.Buffers("broadcast", 1 << 20, 1 << 18, ctx).out) == 4
+    assert len(B.Buffers("reduce", 4 << 20, 1 << 20, ctx).out) == 2
+    assert len(B.Buffers("reduce", 64 << 20, 16 << 20, ctx).out) == 2
+    assert len(B.Buffers("all_gather", 32, 8, ctx).out) == 1
+    log = []
+
+    class Work:
+        def __init__(self, k):
+            self.k = k
+
+        def wait(self):
+            log.append(("wait", self.k))
+
+    calls = []
+
+    def fake_all_reduce(buf, **kw):
+        calls.append(buf.data_ptr())
+        log.append(("call", len(calls) - 1))
+        return Work(len(calls) - 1)
+
+    monkeypatch.setattr(B.dist, "all_reduce", fake_all_reduce)
+    bufs = B.Buffers("all_reduce", 1 << 20, 1 << 18, ctx)
+    runner = B.Runner("all_reduce", False, None, bufs, ctx)
+    for k in range(10):
+        runner.start(k)
+    ptrs = [t.data_ptr() for t in bufs.out]
+    assert calls == [ptrs[k % 4] for k in range(10)]
+    expect = []
+    for k in range(10):
+        if k >= 4:
+            expect.append(("wait", k - 4))
+        expect.append(("call", k))
+    assert log == expect
+    runner.drain()
+    assert sorted(k for w, k in log[len(expect):]) == [6, 7, 8, 9]
+
+
 @pytest.mark.parametrize("dtype", ["f8e4m3", "float8_e5m2"])
 def test_float8_rows_are_checked(tmp_path, dtype):
     # 3 ranks: sums of the pattern leave what float8 holds exactly and round once

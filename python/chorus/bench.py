@@ -33,10 +33,12 @@ default is the mean).
 Out-of-place / in-place: all_gather, reduce_scatter, alltoall and sendrecv have true
 out-of-place forms. torch.distributed has only in-place all_reduce, broadcast and reduce:
 their out-of-place half times copy_ of the input into an output buffer followed by the
-in-place call (what an out-of-place caller pays), with two output buffers so that a copy
-never overwrites a buffer still in flight. Broadcast's root is the exception: it sends from
-its input and copies the input into its output while the call is in flight, since the root
-has nothing to receive. The same code runs for every backend of a --compare. In-place
+in-place call (what an out-of-place caller pays). The output buffers rotate: one per call
+of the loop within 4 MiB, at least two, so that a copy never overwrites a buffer still in
+flight and small calls queue back to back as in the in-place half (as a DDP caller's
+gradient buckets, distinct buffers, do). Broadcast's root sends from its input and copies
+the input into its output while the call is in flight, since the root has nothing to
+receive. The same code runs for every backend of a --compare. In-place
 all_gather takes its input from its slot of the output, in-place reduce_scatter writes into
 its slot of the input (the FSDP/DeepSpeed layouts). In-place alltoall and sendrecv show
 n/a: torch.distributed leaves an aliased send and receive buffer undefined.
@@ -408,7 +410,7 @@ class Runner:
     def __init__(self, op, inplace, group, bufs, ctx):
         self.op, self.inplace, self.group, self.b, self.ctx = op, inplace, group, bufs, ctx
         self.works = []
-        self.pending = [None, None]  # emulated out-of-place: work in flight per output buffer
+        self.pending = [None] * len(bufs.out)  # emulated out-of-place: work per output buffer
         self.align = torch.zeros(1, dtype=torch.float32, device=ctx.device)
         # In-place views, made once: narrow() costs microseconds of Python per call, which
         # nccl-tests' in-place pointers do not (both backends get the same views).
@@ -440,7 +442,7 @@ class Runner:
             if self.inplace:
                 self._collect(self._inplace_call(b.out[0]))
                 return
-            j = k % 2
+            j = k % len(b.out)
             if self.pending[j] is not None:
                 self.pending[j].wait()
                 self.pending[j] = None
@@ -533,13 +535,26 @@ class Runner:
         return count_wrong(view, expected, self.ctx.dtype)
 
 
+OOP_BUDGET = 4 << 20  # bytes of rotating output buffers of an emulated out-of-place half
+
+
+def oop_depth(op, nbytes, ctx):
+    """Output buffers of an emulated out-of-place half: as many as there are calls in a
+    loop, within OOP_BUDGET bytes, and at least 2. Each call copies into a buffer no call
+    in flight uses, so a caller waits only on a call that many back."""
+    if op not in EMULATED_OOP:
+        return 1
+    calls = max(ctx.iters, ctx.warmup * 2, 2)
+    return max(2, min(calls, OOP_BUDGET // max(nbytes, 1)))
+
+
 class Buffers:
     def __init__(self, op, nbytes, count, ctx):
         self.nbytes, self.count = nbytes, count
         n_in, n_out = lengths(op, count, ctx.world)
         mk = lambda ln: torch.empty(ln, dtype=ctx.dtype, device=ctx.device)  # noqa: E731
         self.inp = mk(n_in)
-        self.out = [mk(n_out) for _ in range(2 if op in EMULATED_OOP else 1)]
+        self.out = [mk(n_out) for _ in range(oop_depth(op, nbytes, ctx))]
         self.ipbuf = mk(n_in) if op == "reduce_scatter" else None
         for t in [self.inp, *self.out] + ([self.ipbuf] if self.ipbuf is not None else []):
             t.zero_()  # touch the pages before timing
@@ -803,7 +818,8 @@ def sweep(ctx, op, args, out, records, table):
             out(f"# note: {note}")
         if op in EMULATED_OOP:
             out(f"# note: torch.distributed has only an in-place {op}: out-of-place = copy_ "
-                "into the output + the in-place call (two output buffers)"
+                "into the output + the in-place call (rotating output buffers: one per call "
+                "within 4 MiB, at least two)"
                 + ("; the root sends from its input and copies it meanwhile"
                    if op == "broadcast" else ""))
         if op in NO_INPLACE:
