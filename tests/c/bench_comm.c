@@ -59,7 +59,7 @@ static int rank_main(int rank, int n, int port, size_t lo, size_t hi) {
       if (run(c, in, out, count)) return 1;
     double dt = (now() - t0) / iters;
     if (rank == 0)
-      printf("%10zu B %10.1f us  busbw %6.2f GB/s\n", count * 4, dt * 1e6,
+      printf("%10zu B %10.3f us  busbw %6.2f GB/s\n", count * 4, dt * 1e6,
              2.0 * (n - 1) / n * (double)count * 4 / dt / 1e9);
     fflush(stdout);
   }
