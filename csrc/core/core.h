@@ -325,24 +325,30 @@ struct peer_info {
 /* shm.c */
 struct shm_state;
 /* Published by each rank in its own segment for the direct-access algorithms: progress
- * counters (chunk generations) and, per scratch half, the fingerprint of what it holds. */
+ * counters (chunk generations) and, per scratch half, the fingerprint of what it holds.
+ * The two fingerprints share the cache line of `posted`, the flag a peer polls before it
+ * reads them, so checking a peer's fingerprint costs no cache miss of its own (they had lines
+ * of their own before, fp[1] straddling two: docs/PERFORMANCE.md has tools/fp_cost.sh's
+ * before and after). Hence 32-bit fields: the 64-bit sequence number and count in halves,
+ * the low 32 bits of the generation (a peer's is at most one generation from ours when read). */
 struct shm_fp {
-  uint64_t seq, count, gen;
-  uint32_t kind, dtype, redop, algo;
+  uint32_t seq_lo, seq_hi, count_lo, count_hi;
+  uint32_t gen;   /* low 32 bits */
   int32_t root;
-  uint32_t pad;
+  uint8_t kind, dtype, redop, algo;
 };
 struct shm_flags {
   _Atomic uint64_t posted;   /* generation whose input is in the scratch half gen % 2 */
-  char pad0[56];
+  struct shm_fp fp[2];       /* 56 bytes: the rest of posted's cache line */
   _Atomic uint64_t reduced;  /* generation whose owned slice is reduced (two-shot) */
   char pad1[56];
   _Atomic uint64_t done;     /* generation this rank finished reading from everyone */
   char pad2[56];
   _Atomic uint64_t gpu_idle; /* cuda.c teardown: this rank's device work is all finished */
   char pad3[56];
-  struct shm_fp fp[2];
 };
+_Static_assert(sizeof(struct shm_fp) == 28 && offsetof(struct shm_flags, reduced) == 64,
+               "the fingerprints must fill posted's cache line exactly");
 size_t shm_scratch_half(const struct chorus_comm *comm);  /* 0 without shm */
 void *shm_scratch(struct chorus_comm *comm, int local, int half);
 struct shm_flags *shm_flags_of(struct chorus_comm *comm, int local);

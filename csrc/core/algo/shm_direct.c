@@ -79,6 +79,10 @@ static chorus_result_t dx_gather(struct dx *x, void *dst, const uint8_t *const *
   return CHORUS_SUCCESS;
 }
 
+_Static_assert(OP_KIND_COUNT < 256 && CHORUS_DTYPE_COUNT < 256 && CHORUS_OP_COUNT < 256 &&
+                   ALGO_COUNT < 256,
+               "a fingerprint stores the kind, dtype, reduction and algorithm in a byte each");
+
 /* CHORUS_NO_FINGERPRINT (off by default) is for measurement only (tools/fp_cost.sh): it
  * compiles the call fingerprint out, so that its cost can be timed against a build without
  * it. fp_check then always succeeds and fp_fill writes no fingerprint, only a placeholder
@@ -92,28 +96,31 @@ static void fp_fill(struct dx *x, struct shm_fp *fp, uint64_t g) {
   memset(fp, 0xff, sizeof *fp);
 #else
   const struct op *op = x->op;
-  memset(fp, 0, sizeof *fp);
-  fp->seq = op->seq;
   /* all-to-all carries no total: its (uniform) block size stands in */
-  fp->count = op->kind == OP_ALLTOALL && op->counts ? op->counts[0] : op->count;
-  fp->gen = g;
-  fp->kind = (uint32_t)op->kind;
-  fp->dtype = (uint32_t)op->dtype;
-  fp->redop = (uint32_t)op->op.kind;
-  fp->algo = (uint32_t)op->algo;
+  uint64_t count = op->kind == OP_ALLTOALL && op->counts ? op->counts[0] : op->count;
+  fp->seq_lo = (uint32_t)op->seq;
+  fp->seq_hi = (uint32_t)(op->seq >> 32);
+  fp->count_lo = (uint32_t)count;
+  fp->count_hi = (uint32_t)(count >> 32);
+  fp->gen = (uint32_t)g;
   fp->root = op->root;
+  fp->kind = (uint8_t)op->kind;
+  fp->dtype = (uint8_t)op->dtype;
+  fp->redop = (uint8_t)op->op.kind;
+  fp->algo = (uint8_t)op->algo;
 #endif
 }
 
 static int fp_describe(const struct shm_fp *f, char *buf, size_t cap) {
-  return snprintf(buf, cap, "%s seq %llu count %llu %s %s root %d with algorithm %s (chunk %llu)",
+  return snprintf(buf, cap, "%s seq %llu count %llu %s %s root %d with algorithm %s (chunk %u)",
                   f->kind < OP_KIND_COUNT ? op_kind_name((enum op_kind)f->kind) : "unknown",
-                  (unsigned long long)f->seq, (unsigned long long)f->count,
+                  (unsigned long long)f->seq_hi << 32 | f->seq_lo,
+                  (unsigned long long)f->count_hi << 32 | f->count_lo,
                   f->dtype < CHORUS_DTYPE_COUNT ? chorus_dtype_name((chorus_dtype_t)f->dtype)
                                                 : "unknown",
                   f->redop < CHORUS_OP_COUNT ? chorus_op_name((chorus_op_kind_t)f->redop)
                                              : "unknown",
-                  f->root, algo_name((int)f->algo), (unsigned long long)f->gen);
+                  f->root, algo_name((int)f->algo), f->gen);
 }
 
 static chorus_result_t fp_check(struct dx *x, int peer, uint64_t g) {
@@ -128,9 +135,10 @@ static chorus_result_t fp_check(struct dx *x, int peer, uint64_t g) {
   fp_fill(x, &want, g);
   int red = x->op->kind == OP_ALLREDUCE || x->op->kind == OP_REDUCE ||
             x->op->kind == OP_REDUCE_SCATTER;
-  if (got->seq == want.seq && got->count == want.count && got->gen == want.gen &&
-      got->kind == want.kind && got->dtype == want.dtype && got->algo == want.algo &&
-      got->root == want.root && (!red || got->redop == want.redop))
+  if (got->seq_lo == want.seq_lo && got->seq_hi == want.seq_hi &&
+      got->count_lo == want.count_lo && got->count_hi == want.count_hi &&
+      got->gen == want.gen && got->kind == want.kind && got->dtype == want.dtype &&
+      got->algo == want.algo && got->root == want.root && (!red || got->redop == want.redop))
     return CHORUS_SUCCESS;
   char mine[256], theirs[256];
   fp_describe(&want, mine, sizeof mine);
