@@ -123,25 +123,25 @@ static int fp_describe(const struct shm_fp *f, char *buf, size_t cap) {
                   f->root, algo_name((int)f->algo), f->gen);
 }
 
-static chorus_result_t fp_check(struct dx *x, int peer, uint64_t g) {
+/* `want` is this rank's fingerprint of generation g (fp_fill), made once for all peers. */
+static chorus_result_t fp_check(struct dx *x, int peer, uint64_t g, const struct shm_fp *want) {
 #ifdef CHORUS_NO_FINGERPRINT
   (void)x;
   (void)peer;
   (void)g;
+  (void)want;
   return CHORUS_SUCCESS;
 #else
   const struct shm_fp *got = &shm_flags_of(x->comm, x->comm->local_rank_of[peer])->fp[g & 1];
-  struct shm_fp want;
-  fp_fill(x, &want, g);
   int red = x->op->kind == OP_ALLREDUCE || x->op->kind == OP_REDUCE ||
             x->op->kind == OP_REDUCE_SCATTER;
-  if (got->seq_lo == want.seq_lo && got->seq_hi == want.seq_hi &&
-      got->count_lo == want.count_lo && got->count_hi == want.count_hi &&
-      got->gen == want.gen && got->kind == want.kind && got->dtype == want.dtype &&
-      got->algo == want.algo && got->root == want.root && (!red || got->redop == want.redop))
+  if (got->seq_lo == want->seq_lo && got->seq_hi == want->seq_hi &&
+      got->count_lo == want->count_lo && got->count_hi == want->count_hi &&
+      got->gen == want->gen && got->kind == want->kind && got->dtype == want->dtype &&
+      got->algo == want->algo && got->root == want->root && (!red || got->redop == want->redop))
     return CHORUS_SUCCESS;
   char mine[256], theirs[256];
-  fp_describe(&want, mine, sizeof mine);
+  fp_describe(want, mine, sizeof mine);
   fp_describe(got, theirs, sizeof theirs);
   return comm_set_error(x->comm, CHORUS_ERR_MISMATCH,
                         "mismatched calls: rank %d called %s but rank %d called %s", x->me, mine,
@@ -189,9 +189,12 @@ static chorus_result_t wait_flag(struct dx *x, int which, uint64_t g, int only) 
     shm_mark_waiting(x->comm, missing);
     CHECK(engine_poll(x->comm, x->op, &idle));
   }
-  if (which == F_POSTED)
+  if (which == F_POSTED) {
+    struct shm_fp want;
+    fp_fill(x, &want, g);
     for (int p = only < 0 ? 0 : only; p < (only < 0 ? x->n : only + 1); p++)
-      if (p != x->me) CHECK(fp_check(x, p, g));
+      if (p != x->me) CHECK(fp_check(x, p, g, &want));
+  }
   return CHORUS_SUCCESS;
 }
 
