@@ -58,3 +58,34 @@ def test_launch_cost_layers():
         assert 0 < float(us) < 1000, (name, us)
     # torch's Python function does at least what the ProcessGroup call it makes does
     assert float(got["dist.broadcast"]) > 0.8 * float(got["pg.broadcast"]), out
+
+
+def test_ab_env_alternates_variants(tmp_path):
+    """tools/ab_env.py: each variant's variables reach its jobs (an unknown algorithm fails
+    communicator creation, so that variant's jobs fail and the tool says so), and the
+    summary gives every size and half of the variant that ran, over both rounds."""
+    p = subprocess.run([sys.executable, "tools/ab_env.py", "--rounds", "2", "--out",
+                        str(tmp_path), "-v", "base", "-v",
+                        "bad:CHORUS_ALGO=allreduce:nosuch,broadcast:ring", "--", "--nproc", "2",
+                        "-o", "all_reduce", "-b", "8", "-e", "64", "-f", "8", "-n", "5", "-w",
+                        "1"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert p.stderr.count("job failed") == 2, p.stderr
+    assert "CHORUS_ALGO=allreduce:nosuch,broadcast:ring" in p.stderr, p.stderr
+    rows = [line for line in p.stdout.splitlines() if line.startswith("all_reduce ")]
+    want = [f"all_reduce {s} {h}" for s in (8, 64) for h in ("in place", "out-of-place")]
+    assert sorted(r.split(" |")[0] for r in rows) == sorted(want), p.stdout
+    for r in rows:
+        base, bad = r.split(" | ")[1:]
+        m = re.fullmatch(r"([\d.]+) \(([\d.]+)\.\.([\d.]+)\)", base)
+        assert m and float(m[2]) <= float(m[1]) <= float(m[3]), r
+        assert bad == "-", r
+    assert sorted(x.name for x in tmp_path.glob("*.json")) == ["base-r0.json", "base-r1.json"]
+
+
+def test_ab_env_rejects_bad_variants():
+    for args in (["-v", "x:NOEQUALS"], ["-v", "a", "-v", "a"], ["-v", "a", "--rounds", "0"]):
+        p = subprocess.run([sys.executable, "tools/ab_env.py", *args, "--", "-o",
+                            "all_reduce"], cwd=REPO, env=ENV, capture_output=True, text=True,
+                           timeout=60)
+        assert p.returncode == 2 and "ab_env.py: error" in p.stderr, (args, p.stderr)
