@@ -26,6 +26,8 @@ import statistics
 import subprocess
 import sys
 
+from perf_table import human  # tools/: the same size labels as the tables
+
 
 def parse_variant(text):
     name, _, spec = text.partition(":")
@@ -46,13 +48,6 @@ def parse_variant(text):
             raise argparse.ArgumentTypeError(f"variant {text!r}: {item!r} is not VAR=VAL")
         env[var] = val
     return name, env
-
-
-def human(n):
-    for unit, k in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= k and n % k == 0:
-            return f"{n // k}{unit}"
-    return str(n)
 
 
 def load(path):
