@@ -1,5 +1,6 @@
-"""tools/op_timeline.py and tools/launch_cost.py, the diagnostics docs/PERFORMANCE.md quotes:
-both run, and print one row per case with numbers that hold together."""
+"""tools/op_timeline.py, tools/launch_cost.py and tools/ab_env.py, the diagnostics
+docs/PERFORMANCE.md quotes: each runs, and prints one row per case with numbers that hold
+together."""
 import os
 import re
 import subprocess
