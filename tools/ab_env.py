@@ -51,11 +51,9 @@ def parse_variant(text):
 
 
 def load(path):
+    """The records of one job: the bench's --json writes one JSON list."""
     with open(path) as f:
-        text = f.read().strip()
-    if text.startswith("["):
-        return json.loads(text)
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+        return json.load(f)
 
 
 def summarise(results, names):
@@ -78,7 +76,7 @@ def summarise(results, names):
                     cell["x"].append(others[0] / t["chorus"])
     lines = ["# op size half | " + " | ".join(
         f"{n}: median us (min..max) [x other]" for n in names)]
-    for (op, nbytes, inplace) in sorted(rows, key=lambda k: (k[0], k[1], k[2])):
+    for (op, nbytes, inplace) in sorted(rows):
         cells = []
         for n in names:
             c = rows[(op, nbytes, inplace)].get(n)
