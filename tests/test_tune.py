@@ -1,7 +1,9 @@
 """The tuner seen from Python: `python -m chorus.tune` for a few topologies (output, JSON,
 input errors), and in real multi-rank jobs that CHORUS_ALGO=bogus makes init_process_group
 fail with a message naming the bad token, that CHORUS_DEBUG=INFO logs one choice line per
-(collective, algorithm, size bucket), and that the choices logged are the plan's."""
+(collective, algorithm, size bucket), that the choices logged are the plan's, and that the
+ranks agree on whether every engine spins (the socket constants) when their
+CHORUS_SPIN_COUNT differs."""
 import json
 import os
 import re
@@ -82,8 +84,30 @@ def test_tune_cli_honours_algo_override_and_env():
     assert doc["results"][0]["algo"] == "tree" and doc["results"][0]["forced"]
 
 
+def test_tune_cli_spin_picks_the_socket_constants():
+    """--spin 1 plans for engines that spin (cheaper socket steps: the ring for a 32 KB
+    broadcast on 4 ranks), --spin 0 for engines that do not (direct); auto follows
+    CHORUS_SPIN_COUNT, else this machine's cores; with shm the answer does not change."""
+    args = ("-n", 4, "--shm", 0, "-c", "broadcast", "-b", "32K", "-e", "32K")
+    on, off = tune_json(*args, "--spin", 1), tune_json(*args, "--spin", 0)
+    assert on["spin"] is True and off["spin"] is False
+    assert (on["results"][0]["algo"], off["results"][0]["algo"]) == ("ring", "direct")
+    assert on["results"][0]["predicted_us"] < off["results"][0]["predicted_us"]
+    for count, want in (("0", False), ("7", True)):
+        doc = tune_json(*args, env={"CHORUS_SPIN_COUNT": count})
+        assert doc["spin"] is want, doc
+    text = tune(*args, "--spin", 1).stdout
+    assert "intra-host socket, every engine spins" in text, text
+    text = tune(*args, env={"CHORUS_SPIN_COUNT": "0"}).stdout
+    assert "not every engine spins (auto: as on this machine)" in text, text
+    shm = [tune_json("-n", 4, "-c", "all", "-b", 8, "-e", "64M", "-f", 8, "--spin", s)["results"]
+           for s in (0, 1)]
+    assert [r["algo"] for r in shm[0]] == [r["algo"] for r in shm[1]]
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--nranks", 0], "--nranks must be >= 1"),
+    (["--nranks", 4, "--spin", 2], "--spin: invalid choice"),
     (["--nranks", 4, "--ranks-per-host", 8], "--ranks-per-host must be between 1 and"),
     (["--nranks", 4, "--ranks-per-host", 0], "--ranks-per-host must be between 1 and"),
     (["--nranks", 4, "--collective", "allredux"], "unknown collective 'allredux'"),
@@ -109,6 +133,9 @@ def test_chorus_algo_bogus_fails_init_process_group():
         assert "valid: direct" in m.group(1), m.group(1)
 
 
+SPINS = re.compile(r"INFO TUNE tuner: 4 ranks, .*, (every engine spins|not every engine spins)")
+
+
 @pytest.mark.parametrize("transport", ["shm", "socket"])
 def test_debug_info_logs_each_choice_once_and_matches_the_plan(transport):
     sizes = [64, 64, 1 << 20, 1 << 20]  # repeats must not log again
@@ -118,9 +145,10 @@ def test_debug_info_logs_each_choice_once_and_matches_the_plan(transport):
                   timeout=180)
     assert res.ok, res.describe()
     shm = 1 if transport == "shm" else 0
-    seen = set()
+    seen, spins = set(), set()
     for r in res.ranks:
         assert "TUNE_WORKER_OK" in r.output, res.describe()
+        spins.update(SPINS.findall(r.output))
         choices = re.findall(r"INFO TUNE (all_reduce|all_gather|barrier) (\d+) bytes x 4 ranks: "
                              r"(\w+) \((?:predicted [\d.]+ us|no prediction)[^)]*\) \[tuner\]",
                              r.output)
@@ -129,7 +157,34 @@ def test_debug_info_logs_each_choice_once_and_matches_the_plan(transport):
         assert any(c[0] == "all_gather" for c in choices), r.output
         assert any(c[0] == "barrier" for c in choices), r.output
         seen.update(choices)
+    assert len(spins) == 1, res.describe()  # one spin verdict, the same on every rank
     from chorus.tune import plan  # the same chorus_tune_plan the CLI prints
     for coll, nbytes, algo in sorted(seen):
-        p = plan(coll, int(nbytes), 4, 4, shm=bool(shm), algo="")
+        p = plan(coll, int(nbytes), 4, 4, shm=bool(shm), algo="",
+                 spin=spins == {"every engine spins"})
         assert p["algo"] == algo, (coll, nbytes, algo, p)
+
+
+@pytest.mark.parametrize("counts,verdict", [("5,5,5,5", "every engine spins"),
+                                            ("5,5,0,5", "not every engine spins"),
+                                            ("0,0,0,0", "not every engine spins")])
+def test_spinning_engines_are_agreed_and_pick_the_socket_constants(counts, verdict):
+    """Over sockets, the tuner takes faster constants where every rank's engine spins. The
+    ranks must agree on that even when their CHORUS_SPIN_COUNT differs (a rank that chose
+    alone would run another algorithm than its peers): one rank at 0 makes every rank take
+    the slower constants. The 32 KB broadcast is where the two models choose differently
+    (ring against direct), so its logged choice shows which model each rank used."""
+    res = run_job("tune-spin", WORKER, 4, args=["64", str(1 << 20)],
+                  env={"CHORUS_DEBUG": "INFO", "CHORUS_DEBUG_SUBSYS": "TUNE",
+                       "CHORUS_SHM_DISABLE": "1", "TUNE_SPIN_COUNTS": counts},
+                  timeout=180)
+    assert res.ok, res.describe()
+    from chorus.tune import plan
+    spin = verdict == "every engine spins"
+    want = plan("broadcast", 32768, 4, 4, shm=False, algo="", spin=spin)["algo"]
+    assert want != plan("broadcast", 32768, 4, 4, shm=False, algo="", spin=not spin)["algo"]
+    for r in res.ranks:
+        assert "TUNE_WORKER_OK" in r.output, res.describe()
+        assert SPINS.findall(r.output) == [verdict], r.output
+        got = re.findall(r"INFO TUNE broadcast 32768 bytes x 4 ranks: (\w+) ", r.output)
+        assert got == [want], r.output

@@ -69,8 +69,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "tune_plan",
       [](const std::string& collective, uint64_t bytes, int nranks, int ranks_per_host, bool shm,
-         const py::object& algo, bool unimplemented) {
-        chorus_tune_topology_t topo{nranks, ranks_per_host, shm ? 1 : 0};
+         const py::object& algo, bool unimplemented, int spin) {
+        chorus_tune_topology_t topo{nranks, ranks_per_host, shm ? 1 : 0, spin};
         std::string override_text;
         const char* override_ptr = nullptr;  // None: CHORUS_ALGO / NCCL_ALGO as in force
         if (!algo.is_none()) {
@@ -88,6 +88,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         d["forced"] = plan.forced != 0;
         d["fell_back"] = plan.fell_back != 0;
         d["nhosts"] = plan.nhosts;
+        d["spin"] = plan.spin != 0;
         py::list cands;
         for (int i = 0; i < plan.ncandidates; i++) {
           py::dict c;
@@ -103,11 +104,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("collective"), py::arg("bytes"), py::arg("nranks"), py::arg("ranks_per_host"),
       py::arg("shm") = true, py::arg("algo") = py::none(), py::arg("unimplemented") = false,
+      py::arg("spin") = -1,
       "chorus_tune_plan(): the algorithm a communicator of this shape would choose for one "
       "collective of `bytes` bytes, its predicted time and every candidate, cheapest first. "
       "algo: None reads CHORUS_ALGO as a communicator would, '' ignores it, else an override. "
-      "unimplemented: also consider algorithms this build lacks (model only). ValueError on "
-      "bad input.");
+      "unimplemented: also consider algorithms this build lacks (model only). spin: 1 every "
+      "rank's engine spins, 0 not every one, -1 as ranks_per_host ranks on this machine would. "
+      "ValueError on bad input.");
   m.def("dump_all_traces", &chorus_torch::dumpAllTraces, py::arg("dir") = std::string(),
         py::arg("reason") = std::string("api"), py::call_guard<py::gil_scoped_release>(),
         "Writes the flight record of every Chorus communicator of this process into dir "

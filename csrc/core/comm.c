@@ -113,6 +113,38 @@ static void comm_free(struct chorus_comm *comm) {
   free(comm);
 }
 
+/* comm->all_spin: whether every rank's engine spins, by spin_count_for applied to each
+ * rank's CHORUS_SPIN_COUNT and host (its rank count and the union of its ranks' affinity
+ * masks) from the peer table. Every rank computes the same answer, so the tuner, which
+ * takes faster socket constants for spinning engines, makes the same choice everywhere. */
+static chorus_result_t all_ranks_spin(struct chorus_comm *comm) {
+  const int n = comm->nranks, nh = comm->nhosts;
+  int *count = calloc((size_t)nh, sizeof(int));
+  uint8_t *mask = calloc((size_t)nh, CPU_MASK_BYTES);
+  if (!count || !mask) {
+    free(count);
+    free(mask);
+    return comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d: out of memory", comm->rank);
+  }
+  for (int r = 0; r < n; r++) {
+    const int h = comm->host_of[r];
+    count[h]++;
+    uint8_t *m = mask + (size_t)h * CPU_MASK_BYTES;
+    for (int b = 0; b < CPU_MASK_BYTES; b++) m[b] |= comm->peers[r].cpus[b];
+  }
+  comm->all_spin = 1;
+  for (int r = 0; r < n && comm->all_spin; r++) {
+    const int h = comm->host_of[r];
+    long cores = 0;
+    for (int b = 0; b < CPU_MASK_BYTES; b++)
+      cores += __builtin_popcount(mask[(size_t)h * CPU_MASK_BYTES + b]);
+    if (spin_count_for(comm->peers[r].spin_param, count[h], cores) <= 0) comm->all_spin = 0;
+  }
+  free(count);
+  free(mask);
+  return CHORUS_SUCCESS;
+}
+
 static chorus_result_t comm_init(struct chorus_comm *comm, const chorus_comm_options_t *opts) {
   int me = comm->rank, n = comm->nranks;
   CHECK(tune_check_params(comm));
@@ -134,6 +166,8 @@ static chorus_result_t comm_init(struct chorus_comm *comm, const chorus_comm_opt
   read_host_id(mine.hostid, sizeof mine.hostid, mine.hostname, sizeof mine.hostname);
   mine.pid = (int32_t)getpid();
   mine.shm_ok = param_int(PARAM_SHM_DISABLE) ? 0 : 1;
+  const int64_t spin_param = param_int(PARAM_SPIN_COUNT);
+  mine.spin_param = spin_param < 0 ? -1 : spin_param > INT32_MAX ? INT32_MAX : (int32_t)spin_param;
   const long my_cores = cpu_mask_of_process(mine.cpus);
   if (n > 1) CHECK(socket_listen(comm, &mine));
   comm->peers = calloc((size_t)n, sizeof(struct peer_info));
@@ -168,6 +202,7 @@ static chorus_result_t comm_init(struct chorus_comm *comm, const chorus_comm_opt
       count += strcmp(comm->peers[q].hostid, comm->peers[r].hostid) == 0;
     if (count > comm->max_per_host) comm->max_per_host = count;
   }
+  CHECK(all_ranks_spin(comm));
   if (n > 1) {
     CHECK(shm_setup(comm));
     CHECK(ib_setup(comm));

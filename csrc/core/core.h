@@ -70,9 +70,10 @@ int chorus_log_enabled(int level, int subsys);
     "same host, 4 between hosts.")                                                            \
   X(SPIN_COUNT, "SPIN_COUNT", "int", "-1", 0,                                                \
     "Polls of an idle connection before the waiting thread yields the core, then sleeps; "    \
-    "-1: 2000 when every local rank has a core of its own, else 0. Above 0, an idle engine "  \
-    "also watches for the next post for 100 us, and a wait polls its request for 50 us, "     \
-    "before sleeping.")                                                                       \
+    "-1: 2000 when the host has two cores per local rank (its engine thread and its own), "   \
+    "else 0. Above 0, an idle engine also watches for the next post for 100 us, and a wait "  \
+    "polls its request for 50 us, before sleeping. The tuner uses faster socket constants "   \
+    "when every rank's engine spins.")                                                        \
   X(SHM_SCRATCH, "SHM_SCRATCH", "size", "4M", 0,                                              \
     "Bytes of shared memory per rank for the same-host direct-access algorithms (oneshot, "  \
     "twoshot); messages are processed in chunks of half of it.")                             \
@@ -107,8 +108,10 @@ int chorus_log_enabled(int level, int subsys);
     "(allreduce:ring,allgather:rd); a list lets the tuner choose among it, ^ excludes. "      \
     "Empty: the tuner chooses. Unknown names fail communicator creation.")                   \
   X(TUNE_MODEL, "TUNE_MODEL", "string", "", 0,                                                \
-    "Override the tuner's measured constants: shm=, socket=, net=LAT_US:OVERHEAD_US:GBPS, "   \
-    "reduce=GBPS, copy=GBPS (comma list; empty fields keep the measured value).")                  \
+    "Override the tuner's measured constants: shm=, socket=, socket_spin=, "                   \
+    "net=LAT_US:OVERHEAD_US:GBPS, reduce=GBPS, copy=GBPS (comma list; empty fields keep the "  \
+    "measured value). socket= also sets socket_spin=, the link used where every rank's "      \
+    "engine spins.")                                                                          \
   X(TRACE_BUFFER_SIZE, "TRACE_BUFFER_SIZE", "int", "2000", 0,                                 \
     "Operations each communicator's flight recorder keeps (the last ones: kind, sizes, "      \
     "state, timestamps); 0 disables the recorder.")                                          \
@@ -320,7 +323,18 @@ struct peer_info {
   char sock_addr[ADDR_LEN];  /* "ip:port" of its listening socket, "" if none */
   char hostname[64];
   uint8_t cpus[CPU_MASK_BYTES]; /* its affinity mask (cpu_mask_of_process) */
+  int32_t spin_param;        /* its CHORUS_SPIN_COUNT (-1: automatic), see spin_count_for */
 };
+
+/* The spin count of an engine: CHORUS_SPIN_COUNT where set (>= 0), else 2000 where the host
+ * has two cores per local rank (the engine thread and the rank's own), else 0: spinning
+ * only pays when nobody waits for a core, since a spinning rank would steal the one the
+ * peer it waits for needs. engine_start applies it to this rank; comm.c to every rank of the
+ * peer table, so that the tuner's choice of constants is the same on every rank. */
+static inline int spin_count_for(int64_t param, int nlocal, long cores) {
+  if (param >= 0) return param > 1000000000 ? 1000000000 : (int)param;
+  return (long)nlocal * 2 <= cores ? 2000 : 0;
+}
 
 /* shm.c */
 struct shm_state;
@@ -566,6 +580,7 @@ struct chorus_comm {
   void *engine_priv;                    /* engine.c's per-peer p2p state */
   uint32_t db_seen;                     /* doorbell value at the last progress check */
   int spin;                             /* polls before yielding (SPIN_COUNT or auto) */
+  int all_spin;                         /* every rank's engine spins (comm.c; the tuner) */
   uint64_t dgen;                        /* last direct-access chunk generation */
 
   /* flight recorder (trace.c) */

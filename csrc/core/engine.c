@@ -798,11 +798,7 @@ chorus_result_t engine_start(struct chorus_comm *comm) {
       !comm->engine_priv)
     return comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d: out of memory in engine start",
                           comm->rank);
-  /* Spinning only pays when every local rank (engine thread) has a core of its own;
-   * oversubscribed, a spinning rank steals the core the peer it waits for needs. */
-  int64_t spin = param_int(PARAM_SPIN_COUNT);
-  if (spin < 0) spin = comm->nlocal * 2 <= host_cores(comm) ? 2000 : 0;
-  comm->spin = (int)spin;
+  comm->spin = spin_count_for(param_int(PARAM_SPIN_COUNT), comm->nlocal, host_cores(comm));
   /* engine_block polls wake_fd only beside connections that have a pollfd (sockets, verbs
    * completion channels); without any, the write on every post would be a wasted call */
   for (int ch = 0; ch < CHAN_COUNT; ch++)

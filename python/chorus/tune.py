@@ -43,9 +43,13 @@ def sizes(begin, end, factor):
     return out
 
 
-def plan(collective, nbytes, nranks, ranks_per_host, shm=True, algo=None, unimplemented=False):
-    """One decision: dict(algo, predicted_us, forced, fell_back, nhosts, candidates)."""
-    return _tune_plan(collective, nbytes, nranks, ranks_per_host, shm, algo, unimplemented)
+def plan(collective, nbytes, nranks, ranks_per_host, shm=True, algo=None, unimplemented=False,
+         spin=None):
+    """One decision: dict(algo, predicted_us, forced, fell_back, nhosts, spin, candidates).
+    spin: True if every rank's engine spins, False if not every one, None as ranks_per_host
+    ranks on this machine would (CHORUS_SPIN_COUNT, else two cores per rank)."""
+    return _tune_plan(collective, nbytes, nranks, ranks_per_host, shm, algo, unimplemented,
+                      -1 if spin is None else int(bool(spin)))
 
 
 def _fmt_us(us):
@@ -65,6 +69,10 @@ def main(argv=None):
                     help="collective name or 'all' (default all_reduce)")
     ap.add_argument("--shm", type=int, choices=[0, 1], default=1,
                     help="1: ranks of a host use shared memory (default); 0: TCP sockets")
+    ap.add_argument("--spin", choices=["auto", "0", "1"], default="auto",
+                    help="1: every rank's engine spins (a host with two cores per rank, or "
+                         "CHORUS_SPIN_COUNT > 0), which makes socket steps cheaper; 0: not "
+                         "every one; auto (default): as that many ranks on this machine would")
     ap.add_argument("-b", "--minbytes", type=parse_size, default=8, help="smallest size (8)")
     ap.add_argument("-e", "--maxbytes", type=parse_size, default=1 << 30, help="largest size (1G)")
     ap.add_argument("-f", "--stepfactor", type=float, default=2.0, help="size factor (2)")
@@ -87,11 +95,13 @@ def main(argv=None):
         ap.error(f"-f must be > 1, got {args.stepfactor}")
     colls = COLLECTIVES if args.collective == "all" else [args.collective]
 
-    rows = []
+    rows, spin = [], False
     try:
         for c in colls:
             for b in ([0] if c == "barrier" else sizes(args.minbytes, args.maxbytes, args.stepfactor)):
-                p = plan(c, b, n, k, bool(args.shm), args.algo, args.unimplemented)
+                p = plan(c, b, n, k, bool(args.shm), args.algo, args.unimplemented,
+                         None if args.spin == "auto" else args.spin == "1")
+                spin = p["spin"]
                 others = [x for x in p["candidates"] if x["algo"] != p["algo"]]
                 rows.append(dict(collective=c, bytes=b, algo=p["algo"],
                                  predicted_us=p["predicted_us"], forced=p["forced"],
@@ -107,13 +117,16 @@ def main(argv=None):
     last = n - (nhosts - 1) * k
     if args.json:
         print(json.dumps(dict(nranks=n, ranks_per_host=k, nhosts=nhosts, last_host=last,
-                              shm=bool(args.shm), unimplemented=args.unimplemented,
+                              shm=bool(args.shm), spin=spin, unimplemented=args.unimplemented,
                               results=rows), indent=1))
         return 0
     layout = f"{nhosts} host{'s' if nhosts > 1 else ''} of {k}"
     if last != k:
         layout += f" (the last holds {last})"
-    print(f"# {n} ranks on {layout}, intra-host {'shm' if args.shm else 'socket'}"
+    spins = "every engine spins" if spin else "not every engine spins"
+    if args.spin == "auto":
+        spins += " (auto: as on this machine)"
+    print(f"# {n} ranks on {layout}, intra-host {'shm' if args.shm else 'socket'}, {spins}"
           f"{'; with unimplemented algorithms (model only)' if args.unimplemented else ''}")
     print(f"# {'collective':<15} {'bytes':>13}  {'algorithm':<9} {'predicted_us':>13}  "
           f"{'runner-up':<9} {'predicted_us':>13}")

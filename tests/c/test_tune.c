@@ -135,8 +135,20 @@ static void test_parse_model(void) {
   EXPECT(m.shm.gbps == 5 && m.shm.lat_us == tune_measured.shm.lat_us && m.sock.lat_us == 7 &&
              m.sock.gbps == tune_measured.sock.gbps,
          "partial fields not applied");
+  /* socket sets the spinning variant too (a host measured as its engines run); socket_spin
+   * only that one */
+  EXPECT(m.sock_spin.lat_us == 7 && m.sock_spin.ovh_us == tune_measured.sock_spin.ovh_us &&
+             m.sock_spin.gbps == tune_measured.sock_spin.gbps,
+         "socket= did not set the spinning socket link");
+  m = tune_measured;
+  EXPECT(tune_parse_model("socket_spin=4:1:2", &m, err, sizeof err) == 0, "%s", err);
+  EXPECT(m.sock_spin.lat_us == 4 && m.sock_spin.ovh_us == 1 && m.sock_spin.gbps == 2 &&
+             memcmp(&m.sock, &tune_measured.sock, sizeof m.sock) == 0,
+         "socket_spin= not applied alone");
+  EXPECT(tune_measured.sock_spin.lat_us < tune_measured.sock.lat_us,
+         "a spinning engine's socket step should be the cheaper one");
   const char *bad[] = {"bad=1", "net=1:2:3:4", "reduce=0", "reduce=abc", "net", "shm=-1",
-                       "copy=1:2", "net=1:2:0"};
+                       "copy=1:2", "net=1:2:0", "socket_spin=1:2:0"};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     m = tune_measured;
     EXPECT(tune_parse_model(bad[i], &m, err, sizeof err) == -1, "model \"%s\" accepted", bad[i]);
@@ -150,7 +162,7 @@ static const enum op_kind kinds[] = {OP_ALLREDUCE, OP_BROADCAST, OP_REDUCE, OP_A
 #define NKINDS (sizeof kinds / sizeof kinds[0])
 
 static struct tune_topo topo(int n, int k, int shm) {
-  struct tune_topo t = {n, (n + k - 1) / k, k, shm};
+  struct tune_topo t = {n, (n + k - 1) / k, k, shm, 0};
   return t;
 }
 
@@ -244,6 +256,34 @@ static void test_model_sensible(void) {
   for (double b = 1; b <= (1 << 30); b *= 8) {
     int id = best(8, 8, 0, OP_ALLREDUCE, b);
     EXPECT(id != ALGO_ONESHOT && id != ALGO_TWOSHOT, "no shm but %s", algo_name(id));
+  }
+  /* Spinning engines (the 16-core host, 4 ranks over sockets): a 32 KB broadcast takes the
+   * ring, measured twice as fast there as direct; without spinning (the 2-core host) direct
+   * stays. Spinning changes nothing where no socket link on one host is involved: with shm,
+   * or between hosts (the hierarchy's phases inside a host excepted). */
+  struct tune_topo st = topo(4, 4, 0), ss = st;
+  ss.spin = 1;
+  EXPECT(tune_decide(&tune_measured, &st, OP_BROADCAST, 32768, topo_mask(&st, OP_BROADCAST),
+                     NULL).id == ALGO_DIRECT,
+         "4 ranks socket broadcast 32 KB without spinning: not direct");
+  EXPECT(tune_decide(&tune_measured, &ss, OP_BROADCAST, 32768, topo_mask(&ss, OP_BROADCAST),
+                     NULL).id == ALGO_RING,
+         "4 ranks socket broadcast 32 KB with spinning engines: not the ring");
+  EXPECT(tune_cost(&tune_measured, &ss, OP_ALLREDUCE, ALGO_RD, 8) <
+             tune_cost(&tune_measured, &st, OP_ALLREDUCE, ALGO_RD, 8),
+         "spinning did not make socket steps cheaper");
+  const int shapes[][3] = {{4, 4, 1}, {8, 8, 1}, {16, 4, 0}, {64, 8, 1}, {8, 1, 0}};
+  for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+    struct tune_topo a = topo(shapes[i][0], shapes[i][1], shapes[i][2]), b = a;
+    b.spin = 1;
+    for (size_t q = 0; q < NKINDS; q++)
+      for (int id = 0; id < ALGO_COUNT; id++)
+        for (double x = 1; x <= (1 << 30); x *= 32)
+          if (tune_topo_ok(&a, kinds[q], id) && !(id == ALGO_HIER && !a.shm))
+            EXPECT(tune_cost(&tune_measured, &a, kinds[q], id, x) ==
+                       tune_cost(&tune_measured, &b, kinds[q], id, x),
+                   "n=%d k=%d shm=%d %s %s: spin changed the cost", shapes[i][0], shapes[i][1],
+                   shapes[i][2], algo_name(id), op_kind_name(kinds[q]));
   }
   /* barrier on many ranks: logarithmic */
   s = best(4096, 8, 1, OP_BARRIER, 0);
@@ -349,16 +389,19 @@ static void test_plan_matches_select(void) {
   setenv("CHORUS_ALGO", "", 1);
   setenv("CHORUS_DEBUG", "WARN", 1);
   param_reset_cache();
-  const int shapes[][3] = {{2, 1, 1},    {3, 1, 0},    {4, 2, 1},    {4, 4, 0},
-                           {8, 3, 1},    {16, 4, 1},   {16, 16, 0},  {100, 8, 1},
-                           {1000, 7, 1}, {4096, 8, 1}, {4096, 1, 0}, {4096, 4096, 0}};
+  /* n, k, shm, and whether every engine spins */
+  const int shapes[][4] = {{2, 1, 1, 0},    {3, 1, 0, 0},    {4, 2, 1, 0},    {4, 4, 0, 0},
+                           {4, 4, 0, 1},    {8, 3, 1, 1},    {16, 4, 1, 0},   {16, 16, 0, 0},
+                           {16, 16, 0, 1},  {100, 8, 1, 0},  {1000, 7, 1, 0}, {4096, 8, 1, 1},
+                           {4096, 1, 0, 0}, {4096, 4096, 0, 0}, {4096, 4096, 0, 1}};
   for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
-    int n = shapes[i][0], k = shapes[i][1], shm = shapes[i][2];
+    int n = shapes[i][0], k = shapes[i][1], shm = shapes[i][2], spin = shapes[i][3];
     if (n / k <= 1 && shm) continue; /* needs a real shm communicator */
     struct fake f;
     fake_init(&f, n, k, shm);
+    f.comm.all_spin = spin;
     EXPECT(tune_init(&f.comm) == CHORUS_SUCCESS, "tune_init: %s", f.comm.errbuf);
-    chorus_tune_topology_t tt = {n, k, shm};
+    chorus_tune_topology_t tt = {n, k, shm, spin};
     for (size_t q = 0; q < NKINDS; q++)
       for (size_t bytes = (size_t)n; bytes <= ((size_t)1 << 30); bytes *= 16) {
         struct op op;
@@ -367,8 +410,9 @@ static void test_plan_matches_select(void) {
         chorus_tune_plan_t plan;
         chorus_result_t r = chorus_tune_plan(op_kind_name(kinds[q]), bytes, &tt, NULL, 0, &plan);
         EXPECT(r == CHORUS_SUCCESS, "plan failed: %s", chorus_comm_error(NULL));
-        EXPECT(strcmp(plan.algo, algo_name(id)) == 0 && algo_usable(&f.comm, &op, id),
-               "n=%d k=%d shm=%d %s %zu B: algo_select %s, plan %s", n, k, shm,
+        EXPECT(strcmp(plan.algo, algo_name(id)) == 0 && algo_usable(&f.comm, &op, id) &&
+                   plan.spin == spin,
+               "n=%d k=%d shm=%d spin=%d %s %zu B: algo_select %s, plan %s", n, k, shm, spin,
                op_kind_name(kinds[q]), bytes, algo_name(id), plan.algo);
         EXPECT(plan.ncandidates > 0 && strcmp(plan.candidates[0].algo, plan.algo) == 0,
                "plan's first candidate is not its choice");
@@ -378,7 +422,7 @@ static void test_plan_matches_select(void) {
 }
 
 static void test_plan_api(void) {
-  chorus_tune_topology_t tt = {4096, 8, 1};
+  chorus_tune_topology_t tt = {4096, 8, 1, 0};
   chorus_tune_plan_t plan;
   EXPECT(chorus_tune_plan("all_reduce", 1 << 20, &tt, "", CHORUS_TUNE_UNIMPLEMENTED, &plan) ==
                  CHORUS_SUCCESS &&
@@ -397,11 +441,11 @@ static void test_plan_api(void) {
              plan.candidates[0].implemented,
          "plan without flag");
   /* the remainder host: 10 ranks, 4 per host -> 3 hosts */
-  chorus_tune_topology_t rem = {10, 4, 1};
+  chorus_tune_topology_t rem = {10, 4, 1, 0};
   EXPECT(chorus_tune_plan("broadcast", 100, &rem, "", 0, &plan) == CHORUS_SUCCESS &&
              plan.nhosts == 3,
          "remainder host: %d hosts", plan.nhosts);
-  chorus_tune_topology_t one = {1, 1, 1};
+  chorus_tune_topology_t one = {1, 1, 1, 0};
   EXPECT(chorus_tune_plan("all_gather", 1 << 20, &one, "", CHORUS_TUNE_UNIMPLEMENTED, &plan) ==
                  CHORUS_SUCCESS &&
              strcmp(plan.algo, "direct") == 0,
@@ -411,17 +455,43 @@ static void test_plan_api(void) {
     chorus_tune_topology_t t;
     const char *algo;
     const char *want;
-  } bad[] = {{"all_reduce", {0, 1, 1}, "", "nranks"},
-             {"all_reduce", {4, 0, 1}, "", "ranks_per_host"},
-             {"all_reduce", {4, 8, 1}, "", "ranks_per_host"},
-             {"all_reduce", {4, 2, 2}, "", "shm"},
-             {"allreduse", {4, 2, 1}, "", "allreduse"},
-             {"send", {4, 2, 1}, "", "send"},
-             {"all_reduce", {4, 2, 1}, "bogus", "bogus"}};
+  } bad[] = {{"all_reduce", {0, 1, 1, 0}, "", "nranks"},
+             {"all_reduce", {4, 0, 1, 0}, "", "ranks_per_host"},
+             {"all_reduce", {4, 8, 1, 0}, "", "ranks_per_host"},
+             {"all_reduce", {4, 2, 2, 0}, "", "shm"},
+             {"all_reduce", {4, 2, 1, 2}, "", "spin"},
+             {"all_reduce", {4, 2, 1, -2}, "", "spin"},
+             {"allreduse", {4, 2, 1, 0}, "", "allreduse"},
+             {"send", {4, 2, 1, 0}, "", "send"},
+             {"all_reduce", {4, 2, 1, 0}, "bogus", "bogus"}};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     chorus_result_t r = chorus_tune_plan(bad[i].coll, 8, &bad[i].t, bad[i].algo, 0, &plan);
     EXPECT(r == CHORUS_ERR_INVALID && strstr(chorus_comm_error(NULL), bad[i].want),
            "bad plan %zu: %d \"%s\"", i, (int)r, chorus_comm_error(NULL));
+  }
+}
+
+/* spin -1: as ranks_per_host ranks on this machine would, CHORUS_SPIN_COUNT first */
+static void test_plan_spin_auto(void) {
+  chorus_tune_plan_t plan;
+  const char *want[] = {"0", "5"};
+  for (int i = 0; i < 2; i++) {
+    setenv("CHORUS_SPIN_COUNT", want[i], 1);
+    param_reset_cache();
+    chorus_tune_topology_t t = {4, 4, 0, -1};
+    EXPECT(chorus_tune_plan("broadcast", 32768, &t, "", 0, &plan) == CHORUS_SUCCESS &&
+               plan.spin == i,
+           "CHORUS_SPIN_COUNT=%s: plan.spin %d", want[i], plan.spin);
+  }
+  /* automatic: spins where this process has two cores per rank */
+  unsetenv("CHORUS_SPIN_COUNT");
+  param_reset_cache();
+  long cores = cores_usable();
+  for (int k = 1; k <= 64; k *= 4) {
+    chorus_tune_topology_t t = {k, k, 0, -1};
+    EXPECT(chorus_tune_plan("broadcast", 32768, &t, "", 0, &plan) == CHORUS_SUCCESS &&
+               plan.spin == (2L * k <= cores),
+           "%d ranks on %ld cores: plan.spin %d", k, cores, plan.spin);
   }
 }
 
@@ -533,6 +603,7 @@ int main(void) {
   test_model_sensible();
   test_plan_matches_select();
   test_plan_api();
+  test_plan_spin_auto();
   test_comm_env();
   printf("test_tune: %d checks, %d failed\n", checks, failures);
   return failures != 0;

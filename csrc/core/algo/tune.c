@@ -25,10 +25,21 @@
  * every algorithm step pays. While other jobs loaded the machine, latencies were 2-3x and
  * socket bandwidth 5x worse: the constants describe an idle host. Between hosts nothing
  * could be measured (one host): net uses the loopback socket numbers, a lower bound on the
- * CPU cost of the socket path; set CHORUS_TUNE_MODEL=net=LAT:OVH:GBPS for a real network. */
+ * CPU cost of the socket path; set CHORUS_TUNE_MODEL=net=LAT:OVH:GBPS for a real network.
+ *
+ * Those engines never spin (2 cores cannot give each of 2 ranks two). Where every rank's
+ * engine spins (spin_count_for; topo.spin), a step costs a third: three runs of the same
+ * command on the 16-core GPU host (Xeon, 4 ranks would spin there as its 2 do) gave
+ *   socket  latency 9.66-10.04 us, overhead 2.43-2.72 us/msg, bandwidth 3.35-3.47 GB/s
+ * (and shm 2.8-4.4 us, 1.8-2.6 us/msg, 3.7-5.2 GB/s). Only the socket link has a spinning
+ * variant: with the spinning shm numbers, the shm choices for 4 ranks from 8 B to 256 MB
+ * stay the same but one (32 KB all_reduce), which no measurement decided, while the socket
+ * choice of broadcast at 32 KB moves from direct to the ring, measured twice as fast there
+ * (docs/PERFORMANCE.md, "Spinning socket constants"). */
 const struct tune_model tune_measured = {
     .shm = {15.0, 6.0, 5.3},
     .sock = {31.0, 5.4, 3.5},
+    .sock_spin = {10.0, 2.6, 3.4},
     .net = {31.0, 5.4, 3.5},
     .reduce_gbps = 8.5,
     .copy_gbps = 14.0,
@@ -82,7 +93,7 @@ static double eval(const struct tune_model *m, const struct tune_topo *t, const 
     l = &m->net;
     gbps = l->gbps / (x->all_pairs && t->per_host > 1 ? t->per_host : 1);
   } else {
-    l = t->shm ? &m->shm : &m->sock;
+    l = t->shm ? &m->shm : t->spin ? &m->sock_spin : &m->sock;
     gbps = l->gbps;
     /* The shm bandwidth was measured one way between two ranks, the sender's copy into the
      * ring and the receiver's copy out on two cores. When every rank exchanges with several
@@ -280,8 +291,8 @@ static double best_flat(const struct tune_model *m, const struct tune_topo *t, e
 static double hier_cost(const struct tune_model *m, const struct tune_topo *t, enum op_kind k,
                         double B) {
   const int H = t->nhosts;
-  struct tune_topo in = {t->per_host, 1, t->per_host, t->shm};  /* inside one host */
-  struct tune_topo out = {H, H, 1, 0};                           /* between leaders */
+  struct tune_topo in = {t->per_host, 1, t->per_host, t->shm, t->spin}; /* inside one host */
+  struct tune_topo out = {H, H, 1, 0, 0};                                /* between leaders */
   switch (k) {
     case OP_ALLREDUCE:
       return best_flat(m, &in, OP_REDUCE, B) + best_flat(m, &out, OP_ALLREDUCE, B) +
@@ -347,6 +358,7 @@ static void topo_of_comm(const struct chorus_comm *comm, struct tune_topo *t) {
   t->shm = 1;
   for (int r = 0; r < comm->nranks; r++)
     if (comm->peers && !comm->peers[r].shm_ok) t->shm = 0;
+  t->spin = comm->all_spin;
 }
 
 /* Every check that decides whether algorithm id may run op on comm, beyond being
@@ -652,7 +664,9 @@ int tune_parse_algo(const char *text, struct tune_force *out, char *err, size_t 
   return 0;
 }
 
-/* "shm=LAT:OVH:GBPS,socket=...,net=...,reduce=GBPS,copy=GBPS"; empty fields keep values. */
+/* "shm=LAT:OVH:GBPS,socket=...,socket_spin=...,net=...,reduce=GBPS,copy=GBPS"; empty fields
+ * keep values. socket sets the spinning variant too (bench_transport measures one host as
+ * its engines run there); socket_spin sets only that. */
 int tune_parse_model(const char *text, struct tune_model *model, char *err, size_t err_cap) {
   const char *p = text ? text : "";
   while (*p) {
@@ -672,23 +686,36 @@ int tune_parse_model(const char *text, struct tune_model *model, char *err, size
     }
     *eq = 0;
     char *val = eq + 1;
-    double *fields[3] = {0};
+    double *fields[3] = {0}, *mirror[3] = {0};
     int nfields = 1;
-    struct tune_link *l = NULL;
-    if (strcasecmp(item, "shm") == 0) l = &model->shm;
-    else if (strcasecmp(item, "socket") == 0 || strcasecmp(item, "sock") == 0) l = &model->sock;
-    else if (strcasecmp(item, "net") == 0) l = &model->net;
+    struct tune_link *l = NULL, *also = NULL;
+    if (strcasecmp(item, "shm") == 0) {
+      l = &model->shm;
+    } else if (strcasecmp(item, "socket") == 0 || strcasecmp(item, "sock") == 0) {
+      l = &model->sock;
+      also = &model->sock_spin;
+    } else if (strcasecmp(item, "socket_spin") == 0 || strcasecmp(item, "sock_spin") == 0) {
+      l = &model->sock_spin;
+    } else if (strcasecmp(item, "net") == 0) {
+      l = &model->net;
+    }
     if (l) {
       fields[0] = &l->lat_us;
       fields[1] = &l->ovh_us;
       fields[2] = &l->gbps;
+      if (also) {
+        mirror[0] = &also->lat_us;
+        mirror[1] = &also->ovh_us;
+        mirror[2] = &also->gbps;
+      }
       nfields = 3;
     } else if (strcasecmp(item, "reduce") == 0) {
       fields[0] = &model->reduce_gbps;
     } else if (strcasecmp(item, "copy") == 0) {
       fields[0] = &model->copy_gbps;
     } else {
-      snprintf(err, err_cap, "unknown key \"%s\" (valid: shm, socket, net, reduce, copy)", item);
+      snprintf(err, err_cap,
+               "unknown key \"%s\" (valid: shm, socket, socket_spin, net, reduce, copy)", item);
       return -1;
     }
     for (int f = 0; f < nfields; f++) {
@@ -705,6 +732,7 @@ int tune_parse_model(const char *text, struct tune_model *model, char *err, size
           return -1;
         }
         *fields[f] = v;
+        if (mirror[f]) *mirror[f] = v;
       }
       if (!sep) break;
       if (f == nfields - 1) {
@@ -769,9 +797,11 @@ chorus_result_t tune_init(struct chorus_comm *comm) {
   const char *source = st->source, *text = param_str(PARAM_ALGO);
   for (int k = 0; k < OP_KIND_COUNT; k++) comm->algo_force[k] = st->force.force[k];
   comm->tune = st;
-  INFO(SUB_TUNE, comm->rank, "tuner: %d ranks, %d host%s, up to %d per host, intra-host %s%s%s",
-       st->topo.nranks, st->topo.nhosts, st->topo.nhosts > 1 ? "s" : "", st->topo.per_host,
+  INFO(SUB_TUNE, comm->rank,
+       "tuner: %d ranks, %d host%s, up to %d per host, intra-host %s, %s%s%s", st->topo.nranks,
+       st->topo.nhosts, st->topo.nhosts > 1 ? "s" : "", st->topo.per_host,
        st->topo.shm ? "shm" : "socket",
+       st->topo.spin ? "every engine spins" : "not every engine spins",
        text[0] ? "; " : "", text[0] ? source : "");
   return CHORUS_SUCCESS;
 }
@@ -909,6 +939,9 @@ chorus_result_t chorus_tune_plan(const char *collective, size_t bytes,
   if (topo->shm != 0 && topo->shm != 1)
     return comm_set_error(NULL, CHORUS_ERR_INVALID, "chorus_tune_plan: shm must be 0 or 1, got %d",
                           topo->shm);
+  if (topo->spin < -1 || topo->spin > 1)
+    return comm_set_error(NULL, CHORUS_ERR_INVALID,
+                          "chorus_tune_plan: spin must be -1, 0 or 1, got %d", topo->spin);
   struct tune_model model;
   if (model_from_params(&model, err, sizeof err) != 0)
     return comm_set_error(NULL, CHORUS_ERR_INVALID, "CHORUS_TUNE_MODEL=\"%s\": %s",
@@ -931,6 +964,10 @@ chorus_result_t chorus_tune_plan(const char *collective, size_t bytes,
   t.per_host = topo->ranks_per_host;
   t.nhosts = (topo->nranks + topo->ranks_per_host - 1) / topo->ranks_per_host;
   t.shm = topo->shm;
+  /* -1: as engines of ranks_per_host ranks on a host like this process's would decide */
+  t.spin = topo->spin >= 0 ? topo->spin
+                           : spin_count_for(param_int(PARAM_SPIN_COUNT), topo->ranks_per_host,
+                                            cores_usable()) > 0;
   uint32_t usable = 0, implemented = 0;
   for (int id = 0; id < ALGO_COUNT; id++) {
     if (algo_table[id].run[k]) implemented |= 1u << id;
@@ -946,6 +983,7 @@ chorus_result_t chorus_tune_plan(const char *collective, size_t bytes,
   plan->forced = pk.forced;
   plan->fell_back = pk.fell_back || (force.force[k] >= 0 && !pk.forced);
   plan->nhosts = t.nhosts;
+  plan->spin = t.spin;
   int ids[ALGO_COUNT];
   double costs[ALGO_COUNT];
   int n = tune_rank(&model, &t, (enum op_kind)k, B, usable, ids, costs, ALGO_COUNT);

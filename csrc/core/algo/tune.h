@@ -12,6 +12,7 @@ struct tune_topo {
   int nhosts;
   int per_host;   /* most ranks on one host */
   int shm;        /* ranks of a host talk through shared memory (every rank allows it) */
+  int spin;       /* every rank's engine spins (a core each): the faster socket constants */
 };
 
 /* One transport: latency of a step (a message and its reply depend on it), CPU overhead of
@@ -24,6 +25,7 @@ struct tune_link {
 struct tune_model {
   struct tune_link shm;     /* same host, shared-memory rings */
   struct tune_link sock;    /* same host, TCP over loopback (CHORUS_SHM_DISABLE=1) */
+  struct tune_link sock_spin; /* the same where every rank's engine spins */
   struct tune_link net;     /* between hosts, TCP */
   double reduce_gbps;       /* reduce_n, input bytes per second */
   double copy_gbps;         /* memcpy */

@@ -260,6 +260,10 @@ typedef struct {
   int nranks;          /* >= 1 */
   int ranks_per_host;  /* 1..nranks: hosts hold this many ranks, the last one the remainder */
   int shm;             /* 1: ranks of one host use shared memory; 0: TCP (CHORUS_SHM_DISABLE=1) */
+  int spin;            /* 1: every rank's engine spins (CHORUS_SPIN_COUNT > 0, or by default
+                        * two cores per rank on every host), which makes socket steps cheaper;
+                        * 0: not every one; -1: as ranks_per_host ranks on this machine would
+                        * (its CHORUS_SPIN_COUNT and this process's cores) */
 } chorus_tune_topology_t;
 typedef struct {
   char algo[CHORUS_TUNE_NAME_MAX];
@@ -272,6 +276,7 @@ typedef struct {
   int forced;                       /* 1: chosen because CHORUS_ALGO names it */
   int fell_back;                    /* 1: CHORUS_ALGO names algorithms that cannot run here */
   int nhosts;
+  int spin;                         /* the topology's spin, -1 resolved */
   int ncandidates;                  /* every algorithm that could run, cheapest first */
   chorus_tune_candidate_t candidates[CHORUS_TUNE_MAX_CANDIDATES];
 } chorus_tune_plan_t;
