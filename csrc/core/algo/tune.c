@@ -33,8 +33,9 @@
  *   socket  latency 9.66-10.04 us, overhead 2.43-2.72 us/msg, bandwidth 3.35-3.47 GB/s
  * (and shm 2.8-4.4 us, 1.8-2.6 us/msg, 3.7-5.2 GB/s). Only the socket link has a spinning
  * variant: with the spinning shm numbers, the shm choices for 4 ranks from 8 B to 256 MB
- * stay the same but one (32 KB all_reduce), which no measurement decided, while the socket
- * choice of broadcast at 32 KB moves from direct to the ring, measured twice as fast there
+ * would change only for all_reduce of 16 and 32 KB (oneshot to twoshot) and reduce of 128
+ * and 256 KB (oneshot to the ring), which no measurement supports, while the socket choice
+ * of broadcast at 32 KB moves from direct to the ring, measured twice as fast there
  * (docs/PERFORMANCE.md, "Spinning socket constants"). */
 const struct tune_model tune_measured = {
     .shm = {15.0, 6.0, 5.3},
