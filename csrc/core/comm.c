@@ -113,16 +113,20 @@ static void comm_free(struct chorus_comm *comm) {
   free(comm);
 }
 
-/* comm->all_spin: whether every rank's engine spins, by spin_count_for applied to each
- * rank's CHORUS_SPIN_COUNT and host (its rank count and the union of its ranks' affinity
- * masks) from the peer table. Every rank computes the same answer, so the tuner, which
- * takes faster socket constants for spinning engines, makes the same choice everywhere. */
-static chorus_result_t all_ranks_spin(struct chorus_comm *comm) {
+/* From the peer table and host_of, per host: its rank count and the cores of the union of
+ * its ranks' affinity masks (a cpuset shared by every rank counts once, per-rank bindings
+ * add up). They give this host's local_cores, max_per_host, and all_spin: whether every
+ * rank's engine spins, by spin_count_for applied to each rank's CHORUS_SPIN_COUNT and host.
+ * Every rank computes the same max_per_host and all_spin, so the tuner, which takes faster
+ * socket constants for spinning engines, makes the same choice everywhere. */
+static chorus_result_t tally_hosts(struct chorus_comm *comm) {
   const int n = comm->nranks, nh = comm->nhosts;
   int *count = calloc((size_t)nh, sizeof(int));
+  long *cores = calloc((size_t)nh, sizeof(long));
   uint8_t *mask = calloc((size_t)nh, CPU_MASK_BYTES);
-  if (!count || !mask) {
+  if (!count || !cores || !mask) {
     free(count);
+    free(cores);
     free(mask);
     return comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d: out of memory", comm->rank);
   }
@@ -132,15 +136,20 @@ static chorus_result_t all_ranks_spin(struct chorus_comm *comm) {
     uint8_t *m = mask + (size_t)h * CPU_MASK_BYTES;
     for (int b = 0; b < CPU_MASK_BYTES; b++) m[b] |= comm->peers[r].cpus[b];
   }
-  comm->all_spin = 1;
-  for (int r = 0; r < n && comm->all_spin; r++) {
-    const int h = comm->host_of[r];
-    long cores = 0;
+  comm->max_per_host = 0;
+  for (int h = 0; h < nh; h++) {
     for (int b = 0; b < CPU_MASK_BYTES; b++)
-      cores += __builtin_popcount(mask[(size_t)h * CPU_MASK_BYTES + b]);
-    if (spin_count_for(comm->peers[r].spin_param, count[h], cores) <= 0) comm->all_spin = 0;
+      cores[h] += __builtin_popcount(mask[(size_t)h * CPU_MASK_BYTES + b]);
+    if (count[h] > comm->max_per_host) comm->max_per_host = count[h];
+  }
+  comm->local_cores = cores[comm->host_of[comm->rank]];
+  comm->all_spin = 1;
+  for (int r = 0; r < n; r++) {
+    const int h = comm->host_of[r];
+    if (spin_count_for(comm->peers[r].spin_param, count[h], cores[h]) <= 0) comm->all_spin = 0;
   }
   free(count);
+  free(cores);
   free(mask);
   return CHORUS_SUCCESS;
 }
@@ -182,27 +191,17 @@ static chorus_result_t comm_init(struct chorus_comm *comm, const chorus_comm_opt
     if (strcmp(comm->peers[r].hostid, mine.hostid) == 0) comm->local_rank_of[r] = comm->nlocal++;
     else comm->local_rank_of[r] = -1;
   }
-  uint8_t cpus[CPU_MASK_BYTES] = {0};
-  for (int r = 0; r < n; r++)
-    if (comm->local_rank_of[r] >= 0)
-      for (int b = 0; b < CPU_MASK_BYTES; b++) cpus[b] |= comm->peers[r].cpus[b];
-  comm->local_cores = 0;
-  for (int b = 0; b < CPU_MASK_BYTES; b++) comm->local_cores += __builtin_popcount(cpus[b]);
-  INFO(SUB_INIT, me, "%ld cores for the %d ranks on this host (the union of their affinity "
-       "masks; this rank may use %ld)", comm->local_cores, comm->nlocal, my_cores);
   /* Hosts numbered in order of their lowest rank; the same on every rank. */
   comm->nhosts = 0;
-  comm->max_per_host = 0;
   for (int r = 0; r < n; r++) {
-    int h = -1, count = 0;
+    int h = -1;
     for (int q = 0; q < r && h < 0; q++)
       if (strcmp(comm->peers[q].hostid, comm->peers[r].hostid) == 0) h = comm->host_of[q];
     comm->host_of[r] = h >= 0 ? h : comm->nhosts++;
-    for (int q = 0; q < n; q++)
-      count += strcmp(comm->peers[q].hostid, comm->peers[r].hostid) == 0;
-    if (count > comm->max_per_host) comm->max_per_host = count;
   }
-  CHECK(all_ranks_spin(comm));
+  CHECK(tally_hosts(comm));
+  INFO(SUB_INIT, me, "%ld cores for the %d ranks on this host (the union of their affinity "
+       "masks; this rank may use %ld)", comm->local_cores, comm->nlocal, my_cores);
   if (n > 1) {
     CHECK(shm_setup(comm));
     CHECK(ib_setup(comm));
