@@ -495,6 +495,34 @@ static void test_plan_spin_auto(void) {
   }
 }
 
+/* One host with more ranks than the direct-access algorithms serve (shm_direct_ok refuses
+ * them at run time): the plan must not offer oneshot or twoshot there, while one rank fewer
+ * than the cap it still may. */
+static void test_plan_direct_cap(void) {
+  chorus_tune_plan_t plan;
+  const int ns[2] = {CHORUS_MAX_LOCAL_DIRECT, CHORUS_MAX_LOCAL_DIRECT + 1};
+  for (int i = 0; i < 2; i++) {
+    chorus_tune_topology_t t = {ns[i], ns[i], 1, 0};
+    int offered = 0;
+    for (size_t q = 0; q < NKINDS; q++)
+      for (size_t bytes = 8; bytes <= ((size_t)1 << 30); bytes *= 32) {
+        EXPECT(chorus_tune_plan(op_kind_name(kinds[q]), bytes, &t, "", CHORUS_TUNE_UNIMPLEMENTED,
+                                &plan) == CHORUS_SUCCESS,
+               "plan %d ranks: %s", ns[i], chorus_comm_error(NULL));
+        for (int c = 0; c < plan.ncandidates; c++)
+          if (!strcmp(plan.candidates[c].algo, "oneshot") ||
+              !strcmp(plan.candidates[c].algo, "twoshot"))
+            offered = 1;
+        if (i == 1)
+          EXPECT(strcmp(plan.algo, "oneshot") && strcmp(plan.algo, "twoshot"),
+                 "%d ranks on one host, %s %zu B: plan chose %s, which cannot run there", ns[i],
+                 op_kind_name(kinds[q]), bytes, plan.algo);
+      }
+    EXPECT(offered == (i == 0), "%d ranks on one host: oneshot/twoshot %soffered", ns[i],
+           offered ? "" : "not ");
+  }
+}
+
 /* CHORUS_ALGO / NCCL_ALGO at communicator creation, and forced algorithms at run time. */
 static void test_comm_env(void) {
   struct fake f;
@@ -604,6 +632,7 @@ int main(void) {
   test_plan_matches_select();
   test_plan_api();
   test_plan_spin_auto();
+  test_plan_direct_cap();
   test_comm_env();
   printf("test_tune: %d checks, %d failed\n", checks, failures);
   return failures != 0;

@@ -327,8 +327,9 @@ double tune_cost(const struct tune_model *m, const struct tune_topo *t, enum op_
 int tune_topo_ok(const struct tune_topo *t, enum op_kind kind, int id) {
   (void)kind;
   switch (id) {
-    case ALGO_ONESHOT: case ALGO_TWOSHOT:  /* every rank on one host, through shm */
-      return t->nhosts == 1 && t->shm && t->nranks > 1;
+    case ALGO_ONESHOT: case ALGO_TWOSHOT:  /* every rank on one host, through shm, and no
+                                             * more of them than shm_direct.c serves */
+      return t->nhosts == 1 && t->shm && t->nranks > 1 && t->nranks <= CHORUS_MAX_LOCAL_DIRECT;
     case ALGO_HIER:
       return t->nhosts > 1 && t->per_host > 1;
     default:
