@@ -154,6 +154,38 @@ static chorus_result_t tally_hosts(struct chorus_comm *comm) {
   return CHORUS_SUCCESS;
 }
 
+static uint64_t hostid_hash(const char *id) { /* FNV-1a */
+  uint64_t h = 1469598103934665603ull;
+  for (const unsigned char *p = (const unsigned char *)id; *p; p++) h = (h ^ *p) * 1099511628211ull;
+  return h;
+}
+
+/* Numbers the hosts of a peer table in order of their lowest rank, the same on every rank:
+ * host_of[r] for each rank, and the count as the result (-1: out of memory). One pass over
+ * an open-addressing table of the host ids (at most half full), so 4096 ranks cost 4096
+ * lookups rather than comparing every rank with the ranks before it. */
+int number_hosts(const struct peer_info *peers, int n, int *host_of) {
+  size_t cap = 16;
+  while (cap < 2 * (size_t)n) cap *= 2;
+  int *slot = malloc(cap * sizeof(int)); /* a rank of the host, or -1 */
+  if (!slot) return -1;
+  for (size_t i = 0; i < cap; i++) slot[i] = -1;
+  int nhosts = 0;
+  for (int r = 0; r < n; r++) {
+    size_t i = (size_t)hostid_hash(peers[r].hostid) & (cap - 1);
+    while (slot[i] >= 0 && strcmp(peers[slot[i]].hostid, peers[r].hostid) != 0)
+      i = (i + 1) & (cap - 1);
+    if (slot[i] < 0) {
+      slot[i] = r;
+      host_of[r] = nhosts++;
+    } else {
+      host_of[r] = host_of[slot[i]];
+    }
+  }
+  free(slot);
+  return nhosts;
+}
+
 static chorus_result_t comm_init(struct chorus_comm *comm, const chorus_comm_options_t *opts) {
   int me = comm->rank, n = comm->nranks;
   CHECK(tune_check_params(comm));
@@ -186,19 +218,18 @@ static chorus_result_t comm_init(struct chorus_comm *comm, const chorus_comm_opt
   if (!comm->peers || !comm->local_rank_of || !comm->host_of || !comm->conns[0] || !comm->conns[1])
     return comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d: out of memory", me);
   CHECK(bs_allgather(comm, "peers", &mine, comm->peers, sizeof mine));
+  for (int r = 0; r < n; r++) { /* every string of the table ends within its field */
+    struct peer_info *pi = &comm->peers[r];
+    pi->hostid[sizeof pi->hostid - 1] = pi->sock_addr[sizeof pi->sock_addr - 1] =
+        pi->hostname[sizeof pi->hostname - 1] = '\0';
+  }
   comm->nlocal = 0;
   for (int r = 0; r < n; r++) {
     if (strcmp(comm->peers[r].hostid, mine.hostid) == 0) comm->local_rank_of[r] = comm->nlocal++;
     else comm->local_rank_of[r] = -1;
   }
-  /* Hosts numbered in order of their lowest rank; the same on every rank. */
-  comm->nhosts = 0;
-  for (int r = 0; r < n; r++) {
-    int h = -1;
-    for (int q = 0; q < r && h < 0; q++)
-      if (strcmp(comm->peers[q].hostid, comm->peers[r].hostid) == 0) h = comm->host_of[q];
-    comm->host_of[r] = h >= 0 ? h : comm->nhosts++;
-  }
+  comm->nhosts = number_hosts(comm->peers, n, comm->host_of);
+  if (comm->nhosts < 0) return comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d: out of memory", me);
   CHECK(tally_hosts(comm));
   INFO(SUB_INIT, me, "%ld cores for the %d ranks on this host (the union of their affinity "
        "masks; this rank may use %ld)", comm->local_cores, comm->nlocal, my_cores);

@@ -326,6 +326,10 @@ struct peer_info {
   int32_t spin_param;        /* its CHORUS_SPIN_COUNT (-1: automatic), see spin_count_for */
 };
 
+/* comm.c: host_of[r] for every rank, hosts numbered in order of their lowest rank; returns
+ * the number of hosts, -1 when out of memory. */
+int number_hosts(const struct peer_info *peers, int n, int *host_of);
+
 /* The spin count of an engine: CHORUS_SPIN_COUNT where set (>= 0), else 2000 where the host
  * has two cores per local rank (the engine thread and the rank's own), else 0: spinning
  * only pays when nobody waits for a core, since a spinning rank would steal the one the
