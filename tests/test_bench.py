@@ -381,8 +381,10 @@ def run_main(capsys, args):
     (["-d", "complex"], "unknown datatype 'complex'"),
     (["--compare", "chorus"], "is the backend under test already"),
     (["--same-session"], "--same-session applies only to ranks started with --nproc"),
+    (["--nproc", 0], "--nproc must be >= 1"),
+    (["--nproc", -3], "--nproc must be >= 1"),
 ], ids=["op", "min-max", "size", "factor", "root", "avg-int", "dtype", "compare-self",
-        "same-session"])
+        "same-session", "nproc-0", "nproc-negative"])
 def test_bad_input_is_a_clear_error(capsys, args, message):
     rc, out, err = run_main(capsys, args)
     assert rc == 2, out + err

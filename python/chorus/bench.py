@@ -208,7 +208,7 @@ def build_parser():
     ap.add_argument("--compare", default=None, metavar="BACKEND",
                     help="also run the sweep on BACKEND (gloo; nccl for cuda) in the same job "
                     "and add speed-up columns (peer time / main time)")
-    ap.add_argument("--nproc", type=int, default=0, metavar="N",
+    ap.add_argument("--nproc", type=int, default=None, metavar="N",
                     help="start N local ranks (127.0.0.1, free port) instead of reading "
                     "torchrun's environment; sets OMP_NUM_THREADS=1 where unset, as torchrun")
     ap.add_argument("--same-session", action="store_true",
@@ -265,7 +265,7 @@ def validate(args):
         raise UsageError("-n/--iters must be >= 1")
     if args.warmup_iters < 0:
         raise UsageError("-w/--warmup_iters must be >= 0")
-    if args.nproc < 0:
+    if args.nproc is not None and args.nproc < 1:
         raise UsageError("--nproc must be >= 1")
     if args.same_session and not args.nproc:
         raise UsageError("--same-session applies only to ranks started with --nproc")
