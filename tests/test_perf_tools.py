@@ -1,6 +1,6 @@
-"""tools/op_timeline.py, tools/launch_cost.py and tools/ab_env.py, the diagnostics
-docs/PERFORMANCE.md quotes: each runs, and prints one row per case with numbers that hold
-together."""
+"""tools/op_timeline.py, tools/launch_cost.py, tools/ab_env.py and tools/perf_table.py, the
+diagnostics and table maker docs/PERFORMANCE.md quotes: each runs, and prints one row per
+case with numbers that hold together."""
 import os
 import re
 import subprocess
@@ -90,3 +90,27 @@ def test_ab_env_rejects_bad_variants():
                             "all_reduce"], cwd=REPO, env=ENV, capture_output=True, text=True,
                            timeout=60)
         assert p.returncode == 2 and "ab_env.py: error" in p.stderr, (args, p.stderr)
+
+
+def test_perf_table_from_a_bench_job(tmp_path):
+    """tools/perf_table.py on a job laid out as tools/perf_cpu.sh leaves it (NAME-1.json and
+    the job's stdout as NAME-1.txt): a table per collective with a row per size, both
+    backends' times and the speed-up, and the memcpy figure of the job's header."""
+    p = subprocess.run([sys.executable, "-m", "chorus.bench", "--nproc", "2", "--compare",
+                        "gloo", "-o", "all_reduce,alltoall", "-b", "8", "-e", "512", "-f", "8",
+                        "-n", "3", "-w", "1", "--json", str(tmp_path / "others-1.json")],
+                       cwd=REPO, env=ENV, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout + p.stderr
+    (tmp_path / "others-1.txt").write_text(p.stdout)
+    header = re.search(r"memcpy \(1 core\): ([\d.]+) GB/s", p.stdout)
+    assert header, p.stdout
+    out = run(["tools/perf_table.py", str(tmp_path), "others"])
+    assert f"memcpy (1 core, one figure per job): {header[1]} GB/s" in out, out
+    for op in ("all_reduce", "alltoall"):
+        assert f"**{op}**" in out, out
+    rows = [line for line in out.splitlines() if re.match(r"\| (8|64|512) \|", line)]
+    assert len(rows) == 6, out  # three sizes per collective
+    for r in rows:
+        cells = [c.strip() for c in r.strip("|").split("|")]
+        assert float(cells[1]) > 0 and float(cells[2]) > 0, r
+        assert re.fullmatch(r"[\d.]+x( \(slower\))?", cells[3]), r

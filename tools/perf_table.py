@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Markdown tables for docs/PERFORMANCE.md from the JSON records that tools/perf_cpu.sh
-writes (python -m chorus.bench --compare gloo --json).
+writes (python -m chorus.bench --compare gloo --json), with each job's single-core memcpy
+figure from the header of its output beside the JSON (NAME.txt, as perf_cpu.sh keeps it).
 
 Usage: python3 tools/perf_table.py DIR [NAME ...]   (default names: all_reduce others socket;
 NAME.json, or else the bands NAME-*.json of one sweep, merged)
@@ -11,7 +12,10 @@ also the busbw ratio) and chorus's in-place busbw. Sizes with a speed-up below 1
 """
 import json
 import os
+import re
 import sys
+
+MEMCPY = re.compile(r"memcpy \(1 core\): ([\d.]+) GB/s")
 
 
 def human(n):
@@ -70,8 +74,13 @@ def main(argv):
         for path in paths:
             with open(path) as f:
                 rs = json.load(f)
-            mems += [f"{r['busbw_gbps']:.2f}" for r in rs if r.get("op") == "memcpy"][:1]
             records += rs
+            txt = path[:-len(".json")] + ".txt"  # the job's stdout: the header has memcpy
+            if os.path.exists(txt):
+                with open(txt) as f:
+                    m = MEMCPY.search(f.read())
+                if m:
+                    mems.append(f"{float(m.group(1)):.2f}")
         print(f"### {name}\n")
         if mems:
             print(f"memcpy (1 core, one figure per job): {', '.join(mems)} GB/s\n")

@@ -57,10 +57,10 @@ s+1...). Rows then start with a backend column and the main backend's rows get a
 column per half (peer time / main time); a summary gives the minimum and geometric mean.
 An op or half the peer rejects is shown n/a (noted) instead of failing the run.
 
---json FILE writes one JSON list: a record {op: "memcpy", ...} for the single-core memcpy
-figure, then one per backend, size and half actually measured, each with exactly the fields
-op, backend, bytes, count, dtype, redop, inplace, time_us, algbw_gbps, busbw_gbps, wrong
-(wrong is null with -c 0; redop is null for ops without one).
+--json FILE writes one JSON list with a record per row: per backend, size and half actually
+measured, each with exactly the fields op, backend, bytes, count, dtype, redop, inplace,
+time_us, algbw_gbps, busbw_gbps, wrong (wrong is null with -c 0; redop is null for ops
+without one). The memcpy figure is not a row: it is in the header only.
 
 Progress: rank 0 writes "bench: OP i/N sizes, T s" to stderr, redrawn in place (\\r) when
 stderr is a terminal and the sweep has run for 2 s, else as a plain line every 30 s.
@@ -678,7 +678,7 @@ def memcpy_gbps(repeats=5):
             best = min(best, time.perf_counter() - t0)
     finally:
         torch.set_num_threads(prev)
-    return MEMCPY_BYTES / best / 1e9, best
+    return MEMCPY_BYTES / best / 1e9
 
 
 def write_plot(path, records, title):
@@ -692,8 +692,7 @@ def write_plot(path, records, title):
 
     series = {}
     for rec in records:
-        if rec["op"] != "memcpy":
-            series.setdefault((rec["op"], rec["backend"], rec["inplace"]), []).append(rec)
+        series.setdefault((rec["op"], rec["backend"], rec["inplace"]), []).append(rec)
     ops = list(dict.fromkeys(k[0] for k in series))
     backends = list(dict.fromkeys(k[1] for k in series))
     fig, axes = plt.subplots(max(1, len(ops)), 2, figsize=(12, 3.8 * max(1, len(ops))),
@@ -1003,7 +1002,7 @@ def bench(ctx, args):
 
     records = []
     if ctx.rank == 0:
-        gbps, best = memcpy_gbps()
+        gbps = memcpy_gbps()
         try:
             usable = len(os.sched_getaffinity(0))
         except (AttributeError, OSError):
@@ -1030,9 +1029,6 @@ def bench(ctx, args):
             "once)")
         out(f"# torch {torch.__version__}, chorus {cver}")
         out(f"# {session_note()}")
-        records.append(dict(op="memcpy", backend="torch", bytes=MEMCPY_BYTES,
-                            count=MEMCPY_BYTES, dtype="uint8", redop=None, inplace=False,
-                            time_us=best * 1e6, algbw_gbps=gbps, busbw_gbps=gbps, wrong=None))
     dist.barrier(group=ctx.ctrl)  # the others wait here while rank 0 measures memcpy
     table = Table(ctx.compare)
     wrong = 0
