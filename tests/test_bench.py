@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -155,6 +156,64 @@ def test_two_ranks_every_op_against_gloo(compare_run):
     for lo, gm, cnt in speed:
         assert 0 < float(lo) <= float(gm) and int(cnt) > 0
     assert out.count("# Out of bounds values (chorus) : 0 OK") == len(OPS)
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_progress_line_after_a_few_seconds(monkeypatch, capsys, tty):
+    """A run that goes on for more than 2 s gets a progress line on stderr: on a terminal
+    redrawn in place, in a log a plain line at 2 s and every 10 s after; nothing before 2 s,
+    and nothing on the other ranks."""
+    from chorus import bench as bench_mod
+
+    clock = FakeClock()
+    monkeypatch.setattr(bench_mod.time, "monotonic", clock)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
+    quiet = bench_mod.Progress(False)
+    p = bench_mod.Progress(True)
+    seen = []
+    for i, t in enumerate([0.5, 1.9, 2.1, 2.5, 5.0, 12.2, 12.5, 30.0]):
+        clock.t = 1000.0 + t
+        p.update("all_reduce", i, 8)
+        quiet.update("all_reduce", i, 8)
+        seen.append(capsys.readouterr().err)
+    assert seen[0] == seen[1] == "", seen  # under 2 s: nothing
+    if tty:
+        assert seen[2] == "\rbench: all_reduce 2/8 sizes, 2 s", seen
+        assert all(x.startswith("\rbench: all_reduce ") for x in seen[2:]), seen
+        p.done()
+        assert capsys.readouterr().err.strip("\r ") == ""  # the line is wiped for the table
+    else:
+        assert seen[2] == "bench: all_reduce 2/8 sizes, 2 s\n", seen
+        assert seen[3] == seen[4] == "" and seen[6] == "", seen  # within 10 s of the last
+        assert seen[5] == "bench: all_reduce 5/8 sizes, 12 s\n", seen
+        assert seen[7] == "bench: all_reduce 7/8 sizes, 30 s\n", seen
+
+
+def test_progress_line_in_a_real_run():
+    """The run through a pipe: rank 0 prints plain progress lines once it has gone on for
+    2 s, one run over all its ops (each op alone may take less)."""
+    t0 = time.monotonic()
+    rc, out, err, _ = bench("--nproc", 2, "-o", "all_reduce,all_gather,broadcast", "-b", "8",
+                            "-e", "16M", "-f", "4", "-n", "10", "-w", "2", "--compare", "gloo")
+    took = time.monotonic() - t0
+    assert rc == 0, out + err
+    lines = re.findall(r"^bench: (\w+) (\d+)/(\d+) sizes, (\d+) s$", err, re.M)
+    # the ranks' start and memcpy come first (3..4 s on the 2-core machine, where the whole
+    # job takes 7..8 s): past 6 s, the sweep itself went on for more than 2 s
+    if took > 6:
+        assert lines, err
+    for op, i, n, secs in lines:
+        assert op in ("all_reduce", "all_gather", "broadcast") and int(i) < int(n) == 11
+        assert int(secs) >= 2
+    assert "\r" not in err
 
 
 def test_json_records(compare_run):

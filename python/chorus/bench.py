@@ -63,7 +63,8 @@ time_us, algbw_gbps, busbw_gbps, wrong (wrong is null with -c 0; redop is null f
 without one). The memcpy figure is not a row: it is in the header only.
 
 Progress: rank 0 writes "bench: OP i/N sizes, T s" to stderr, redrawn in place (\\r) when
-stderr is a terminal and the sweep has run for 2 s, else as a plain line every 30 s.
+stderr is a terminal and the run has gone on for 2 s, else as a plain line then and every
+10 s after.
 """
 import argparse
 import json
@@ -632,6 +633,11 @@ class Table:
 
 
 class Progress:
+    """The run's progress on rank 0's stderr once it has run for FIRST seconds: redrawn in
+    place on a terminal, else (a log, a pipe) a plain line then and every EVERY seconds."""
+
+    FIRST, EVERY = 2.0, 10.0
+
     def __init__(self, enabled):
         self.enabled = enabled
         self.tty = enabled and sys.stderr.isatty()
@@ -645,12 +651,14 @@ class Progress:
         now = time.monotonic()
         el = now - self.t0
         text = f"bench: {op} {i}/{total} sizes, {el:.0f} s"
+        if el < self.FIRST:
+            return
         if self.tty:
-            if el >= 2.0 and now - self.last >= 0.25:
+            if now - self.last >= 0.25:
                 sys.stderr.write("\r" + text.ljust(self.drawn))
                 sys.stderr.flush()
                 self.drawn, self.last = len(text), now
-        elif el >= 30.0 and now - self.last >= 30.0:
+        elif not self.last or now - self.last >= self.EVERY:
             sys.stderr.write(text + "\n")
             sys.stderr.flush()
             self.last = now
@@ -791,7 +799,7 @@ def measure(ctx, op, inplace, group, bufs, expected, corrupt, first=False):
     return dt / ctx.iters * 1e6, wrong
 
 
-def sweep(ctx, op, args, out, records, table):
+def sweep(ctx, op, args, out, records, table, progress):
     esize = torch.empty((), dtype=ctx.dtype).element_size()
     sizes, note = plan_sizes(op, args, ctx.world, esize)
     n = ctx.world
@@ -827,7 +835,6 @@ def sweep(ctx, op, args, out, records, table):
             out(f"# note: out-of-place {op}: n/a ({skipped[(ctx.backend, False)]})")
         for line in table.header():
             out(line)
-    progress = Progress(ctx.rank == 0)
     corrupt_env = os.environ.get(TEST_CORRUPT_ENV) == "1"
     bw_main, speedups = [], []
     wrong_total = {be: 0 for be, _, _ in backends}
@@ -1031,9 +1038,10 @@ def bench(ctx, args):
         out(f"# {session_note()}")
     dist.barrier(group=ctx.ctrl)  # the others wait here while rank 0 measures memcpy
     table = Table(ctx.compare)
+    progress = Progress(ctx.rank == 0)  # over the whole run, every op's sweep
     wrong = 0
     for op in args.op:
-        wrong += sweep(ctx, op, args, out, records, table)
+        wrong += sweep(ctx, op, args, out, records, table, progress)
     if ctx.rank == 0:
         if args.json:
             with open(args.json, "w") as f:
