@@ -301,13 +301,17 @@ static void rank_main(int rank, int port) {
   T(chorus_bootstrap_tcp(addr, rank, 3, 20000, &bs) == CHORUS_SUCCESS);
   if (g_fail) return;
 
-  /* get before set, from another rank */
+  /* get before set, from another rank. Rank 2 starts its 400 ms only once rank 1 says it is
+   * about to ask (a fixed sleep from the bootstrap alone was not enough on a loaded machine:
+   * rank 1 could reach its get after the set, and see no wait) */
   if (rank == 1) {
     int64_t t0 = ms_now();
+    T(bs.set(bs.ctx, "asking", "1", 1) == CHORUS_SUCCESS);
     T(bs.get(bs.ctx, "late", buf, sizeof buf, &len, 10000) == CHORUS_SUCCESS);
     T(len == 5 && memcmp(buf, "hello", 5) == 0);
     T(ms_now() - t0 >= 150);
   } else if (rank == 2) {
+    T(bs.get(bs.ctx, "asking", buf, sizeof buf, &len, 10000) == CHORUS_SUCCESS);
     sleep_ms(400);
     T(bs.set(bs.ctx, "late", "hello", 5) == CHORUS_SUCCESS);
   }
