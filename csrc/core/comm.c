@@ -223,13 +223,11 @@ static chorus_result_t comm_init(struct chorus_comm *comm, const chorus_comm_opt
     pi->hostid[sizeof pi->hostid - 1] = pi->sock_addr[sizeof pi->sock_addr - 1] =
         pi->hostname[sizeof pi->hostname - 1] = '\0';
   }
-  comm->nlocal = 0;
-  for (int r = 0; r < n; r++) {
-    if (strcmp(comm->peers[r].hostid, mine.hostid) == 0) comm->local_rank_of[r] = comm->nlocal++;
-    else comm->local_rank_of[r] = -1;
-  }
   comm->nhosts = number_hosts(comm->peers, n, comm->host_of);
   if (comm->nhosts < 0) return comm_set_error(comm, CHORUS_ERR_NOMEM, "rank %d: out of memory", me);
+  comm->nlocal = 0; /* this host's ranks, numbered in rank order */
+  for (int r = 0; r < n; r++)
+    comm->local_rank_of[r] = comm->host_of[r] == comm->host_of[me] ? comm->nlocal++ : -1;
   CHECK(tally_hosts(comm));
   INFO(SUB_INIT, me, "%ld cores for the %d ranks on this host (the union of their affinity "
        "masks; this rank may use %ld)", comm->local_cores, comm->nlocal, my_cores);

@@ -650,9 +650,9 @@ class Progress:
             return
         now = time.monotonic()
         el = now - self.t0
-        text = f"bench: {op} {i}/{total} sizes, {el:.0f} s"
         if el < self.FIRST:
             return
+        text = f"bench: {op} {i}/{total} sizes, {el:.0f} s"
         if self.tty:
             if now - self.last >= 0.25:
                 sys.stderr.write("\r" + text.ljust(self.drawn))
