@@ -22,7 +22,7 @@ TORCH_VERSION := 2.13.0
 export MAX_JOBS ?= 2
 
 BUILD_STAMP := $(VENV)/.chorus-build.stamp
-PREBUILD_PARTS := prebuild-c prebuild-asan prebuild-fuzz prebuild-fp prebuild-nofp prebuild-cuda
+PREBUILD_PARTS := prebuild-c prebuild-asan prebuild-fuzz prebuild-fpsw prebuild-cuda
 FUZZ_TARGETS := $(notdir $(basename $(wildcard tests/fuzz/fuzz_*.c)))
 DEPS_STAMP := $(VENV)/.chorus-deps.stamp
 # Tools only the tests need (matplotlib: tests/test_bench.py checks `chorus.bench --plot`);
@@ -96,7 +96,7 @@ fuzz:
 
 # For .ci/run. prebuild: what the checks after `make build` compile, built ahead (CI runs it,
 # niced, beside the package build and the test tools' download): the C unit tests,
-# their asan build, the fuzz targets, tools/fp_cost.sh's two bench_comm builds
+# their asan build, the fuzz targets, tools/fp_cost.sh's bench_comm build
 # (tests/test_fingerprint_cost.py) and, where nvcc exists, the CUDA compile check
 # (tests/test_cuda.py). Each later step finds its make targets up to date. The parts build
 # into separate directories, so `make -j2 prebuild` runs them side by side.
@@ -107,11 +107,8 @@ prebuild-asan:
 	$(MAKE) -C tests/c asan-build
 prebuild-fuzz:
 	$(MAKE) -C tests/fuzz build
-prebuild-fp:
-	$(MAKE) -s -C tests/c BUILD=$(CURDIR)/tests/c/build-fp EXTRA_CFLAGS= bench_comm
-prebuild-nofp:
-	$(MAKE) -s -C tests/c BUILD=$(CURDIR)/tests/c/build-nofp EXTRA_CFLAGS=-DCHORUS_NO_FINGERPRINT \
-	  bench_comm
+prebuild-fpsw:
+	$(MAKE) -s -C tests/c BUILD=$(CURDIR)/tests/c/build-fpsw EXTRA_CFLAGS=-DCHORUS_FP_SWITCH bench_comm
 prebuild-cuda:
 	if command -v nvcc >/dev/null 2>&1; then $(MAKE) -C tests/cuda compile; fi
 

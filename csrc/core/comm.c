@@ -12,6 +12,10 @@
 
 static _Thread_local char create_error[1024];
 
+#ifdef CHORUS_FP_SWITCH
+_Atomic int chorus_fp_off; /* core.h: FP_OFF */
+#endif
+
 chorus_result_t comm_set_error(struct chorus_comm *comm, chorus_result_t res, const char *fmt,
                                ...) {
   char msg[1024];

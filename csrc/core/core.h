@@ -340,6 +340,19 @@ static inline int spin_count_for(int64_t param, int nlocal, long cores) {
   return (long)nlocal * 2 <= cores ? 2000 : 0;
 }
 
+/* The call fingerprint's measurement switch (tools/fp_cost.sh; never in a shipped build,
+ * where FP_OFF() is the constant 0 and the code under it compiles away): built with
+ * -DCHORUS_FP_SWITCH, the fingerprint is on or off at run time, as chorus_fp_off (comm.c)
+ * says. tests/c/bench_comm flips it between calls, on every rank before the same call, so
+ * that one run times calls with and without it, interleaved. While it is off, ranks that
+ * disagree about a call go undetected. */
+#ifdef CHORUS_FP_SWITCH
+extern _Atomic int chorus_fp_off;
+#define FP_OFF() atomic_load_explicit(&chorus_fp_off, memory_order_relaxed)
+#else
+#define FP_OFF() 0
+#endif
+
 /* shm.c */
 struct shm_state;
 /* Published by each rank in its own segment for the direct-access algorithms: progress

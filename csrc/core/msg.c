@@ -113,17 +113,17 @@ static chorus_result_t validate_hdr(struct msg_rx *rx) {
                           "rank %d received a corrupt message header from rank %d (magic 0x%x)",
                           comm->rank, peer, g->magic);
   int p2p = e->kind == OP_RECV;
-#ifdef CHORUS_NO_FINGERPRINT
-  /* Measurement only (tools/fp_cost.sh; off by default, never ship it): the fingerprint is
-   * not compared, so ranks that disagree about a call go undetected. Only the framing is
-   * checked: magic above, and len, which decides how many payload bytes are read. */
-  int same = g->len == e->len;
-#else
-  int same = g->seq == e->seq && g->kind == e->kind && g->len == e->len && g->root == e->root;
-  if (!p2p) same = same && g->dtype == e->dtype && g->count == e->count && g->flags == e->flags;
-  if (!p2p && (e->kind == OP_ALLREDUCE || e->kind == OP_REDUCE || e->kind == OP_REDUCE_SCATTER))
-    same = same && g->redop == e->redop;
-#endif
+  int same;
+  if (FP_OFF()) {
+    /* Measurement builds only (FP_OFF, core.h): the fingerprint is not compared, only the
+     * framing: magic above, and len, which decides how many payload bytes are read. */
+    same = g->len == e->len;
+  } else {
+    same = g->seq == e->seq && g->kind == e->kind && g->len == e->len && g->root == e->root;
+    if (!p2p) same = same && g->dtype == e->dtype && g->count == e->count && g->flags == e->flags;
+    if (!p2p && (e->kind == OP_ALLREDUCE || e->kind == OP_REDUCE || e->kind == OP_REDUCE_SCATTER))
+      same = same && g->redop == e->redop;
+  }
   if (same) return CHORUS_SUCCESS;
   char mine[256], theirs[256];
   describe_hdr(e, p2p, mine, sizeof mine);

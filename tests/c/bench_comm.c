@@ -3,10 +3,12 @@
  * Usage: bench_comm NRANKS [MIN_BYTES MAX_BYTES] (float32 sum; CHORUS_* variables apply;
  * BENCH_INPLACE=1 reduces in place; BENCH_ITERS=N times N calls per size instead of the
  * default 400, 40 from 1 MiB, 10 from 16 MiB; BENCH_PIN=1 pins rank r to the r-th CPU it
- * may use, round robin). */
+ * may use, round robin; BENCH_FP_AB=K times the calls in blocks of K, alternately with the
+ * call fingerprint on and off, and prints both times: see fp_ab below). */
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sched.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,6 +36,74 @@ static int run(chorus_comm_t *c, float *in, float *out, size_t count) {
   return r != CHORUS_SUCCESS;
 }
 
+#ifdef CHORUS_FP_SWITCH
+extern _Atomic int chorus_fp_off; /* core.h: the fingerprint's run-time switch */
+#endif
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+static double median_of(double *v, int n) {
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+/* BENCH_FP_AB=K (tools/fp_cost.sh): `iters` calls (rounded up to a multiple of 16K) in
+ * blocks of K, half of them with the call fingerprint on and half with it off, in an order
+ * shuffled anew for every 16 blocks from a seed that every rank derives from the run's port
+ * (so every rank switches before the same call, and a run's order differs from the next
+ * run's). A fixed pattern would alias with whatever repeats from call to call: with on, off,
+ * off, on (ABBA) two identical builds differed by 1.5-2% at 4 ranks, the shuffle brings it
+ * within noise. Built with -DCHORUS_FP_SWITCH the switch is real; in any other build the
+ * "off" calls run with the fingerprint on as well, which times the method's own noise (an
+ * A/A check). Every call is timed; rank 0 prints the mean time per call of each kind, their
+ * ratio, and the medians. The two kinds share the run's placement and scheduling, which on
+ * a small, oversubscribed machine move one run's time by up to 2x from run to run. */
+static int fp_ab(chorus_comm_t *c, int rank, float *in, float *out, size_t count, int iters,
+                 int k, uint64_t *seed) {
+  int blocks = (iters + 16 * k - 1) / (16 * k) * 16, half = blocks / 2 * k, m[2] = {0, 0};
+  double *t[2] = {malloc((size_t)half * sizeof(double)), malloc((size_t)half * sizeof(double))};
+  double sum[2] = {0, 0};
+  int bad = !t[0] || !t[1];
+  int order[16];
+  for (int b = 0; b < blocks && !bad; b++) {
+    if (b % 16 == 0) { /* the next 16 blocks: 8 of each kind, shuffled (Fisher-Yates) */
+      for (int i = 0; i < 16; i++) order[i] = i % 2;
+      for (int i = 15; i > 0; i--) {
+        *seed ^= *seed << 13, *seed ^= *seed >> 7, *seed ^= *seed << 17; /* xorshift64 */
+        int j = (int)(*seed % (uint64_t)(i + 1)), o = order[i];
+        order[i] = order[j];
+        order[j] = o;
+      }
+    }
+    int off = order[b % 16];
+#ifdef CHORUS_FP_SWITCH
+    atomic_store(&chorus_fp_off, off);
+#endif
+    for (int i = 0; i < k && !bad; i++) {
+      double t0 = now();
+      bad = run(c, in, out, count);
+      double dt = now() - t0;
+      t[off][m[off]++] = dt;
+      sum[off] += dt;
+    }
+  }
+#ifdef CHORUS_FP_SWITCH
+  atomic_store(&chorus_fp_off, 0);
+#endif
+  if (!bad && rank == 0) {
+    double on = sum[0] / half, off = sum[1] / half;
+    printf("%10zu B fp on %10.3f us  off %10.3f us  ratio %.4f  calls %d  medians %.3f %.3f us\n",
+           count * 4, on * 1e6, off * 1e6, on / off, 2 * half, median_of(t[0], half) * 1e6,
+           median_of(t[1], half) * 1e6);
+  }
+  free(t[0]);
+  free(t[1]);
+  return bad;
+}
+
 static int rank_main(int rank, int n, int port, size_t lo, size_t hi) {
   char addr[64];
   snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
@@ -49,11 +119,18 @@ static int rank_main(int rank, int n, int port, size_t lo, size_t hi) {
   float *in = malloc(maxc * 4), *out = getenv("BENCH_INPLACE") ? in : malloc(maxc * 4);
   for (size_t i = 0; i < maxc; i++) in[i] = out[i] = 1.0f;
   int fixed_iters = getenv("BENCH_ITERS") ? atoi(getenv("BENCH_ITERS")) : 0;
+  int fp_block = getenv("BENCH_FP_AB") ? atoi(getenv("BENCH_FP_AB")) : 0;
+  uint64_t seed = 0x9e3779b97f4a7c15ull ^ (uint64_t)port; /* the same on every rank */
   for (size_t b = lo; b <= hi; b *= 4) {
     size_t count = b / 4 ? b / 4 : 1;
     int iters = fixed_iters > 0 ? fixed_iters : b >= (1 << 24) ? 10 : b >= (1 << 20) ? 40 : 400;
     for (int i = 0; i < 3; i++)
       if (run(c, in, out, count)) return 1;
+    if (fp_block > 0) {
+      if (fp_ab(c, rank, in, out, count, iters, fp_block, &seed)) return 1;
+      fflush(stdout);
+      continue;
+    }
     double t0 = now();
     for (int i = 0; i < iters; i++)
       if (run(c, in, out, count)) return 1;

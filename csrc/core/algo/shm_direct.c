@@ -83,18 +83,15 @@ _Static_assert(OP_KIND_COUNT < 256 && CHORUS_DTYPE_COUNT < 256 && CHORUS_OP_COUN
                    ALGO_COUNT < 256,
                "a fingerprint stores the kind, dtype, reduction and algorithm in a byte each");
 
-/* CHORUS_NO_FINGERPRINT (off by default) is for measurement only (tools/fp_cost.sh): it
- * compiles the call fingerprint out, so that its cost can be timed against a build without
- * it. fp_check then always succeeds and fp_fill writes no fingerprint, only a placeholder
- * ("unknown", all ones) for check_no_message's error text, which would otherwise print
- * uninitialised memory; ranks that disagree about a call are no longer detected here.
- * Never ship a build with it. */
+/* With the fingerprint switched off (FP_OFF, core.h: measurement builds only) fp_check
+ * always succeeds and fp_fill writes no fingerprint, only a placeholder ("unknown", all
+ * ones) for check_no_message's error text, which would otherwise print uninitialised
+ * memory. */
 static void fp_fill(struct dx *x, struct shm_fp *fp, uint64_t g) {
-#ifdef CHORUS_NO_FINGERPRINT
-  (void)x;
-  (void)g;
-  memset(fp, 0xff, sizeof *fp);
-#else
+  if (FP_OFF()) {
+    memset(fp, 0xff, sizeof *fp);
+    return;
+  }
   const struct op *op = x->op;
   /* all-to-all carries no total: its (uniform) block size stands in */
   uint64_t count = op->kind == OP_ALLTOALL && op->counts ? op->counts[0] : op->count;
@@ -108,7 +105,6 @@ static void fp_fill(struct dx *x, struct shm_fp *fp, uint64_t g) {
   fp->dtype = (uint8_t)op->dtype;
   fp->redop = (uint8_t)op->op.kind;
   fp->algo = (uint8_t)op->algo;
-#endif
 }
 
 static int fp_describe(const struct shm_fp *f, char *buf, size_t cap) {
@@ -125,13 +121,7 @@ static int fp_describe(const struct shm_fp *f, char *buf, size_t cap) {
 
 /* `want` is this rank's fingerprint of generation g (fp_fill), made once for all peers. */
 static chorus_result_t fp_check(struct dx *x, int peer, uint64_t g, const struct shm_fp *want) {
-#ifdef CHORUS_NO_FINGERPRINT
-  (void)x;
-  (void)peer;
-  (void)g;
-  (void)want;
-  return CHORUS_SUCCESS;
-#else
+  if (FP_OFF()) return CHORUS_SUCCESS;
   const struct shm_fp *got = &shm_flags_of(x->comm, x->comm->local_rank_of[peer])->fp[g & 1];
   int red = x->op->kind == OP_ALLREDUCE || x->op->kind == OP_REDUCE ||
             x->op->kind == OP_REDUCE_SCATTER;
@@ -146,7 +136,6 @@ static chorus_result_t fp_check(struct dx *x, int peer, uint64_t g, const struct
   return comm_set_error(x->comm, CHORUS_ERR_MISMATCH,
                         "mismatched calls: rank %d called %s but rank %d called %s", x->me, mine,
                         peer, theirs);
-#endif
 }
 
 /* A peer we still wait for has written a framed message to us: it runs a message-based
