@@ -40,6 +40,10 @@
 #define BS_MAX_VAL ((uint64_t)64 << 20)
 #define BS_MAX_TOTAL ((uint64_t)4 << 30) /* whole store; guards against runaway clients */
 #define BS_MAX_CLIENTS 4096
+/* Rank 0's release stops taking new clients but serves the connected ones until they have all
+ * released theirs (or exited), at most this long: a peer still destroying its communicator
+ * may ask the store why a connection closed, and should find it there. */
+#define BS_LINGER_MS 1000
 #define BS_BUCKETS 1024
 #define BS_MAX_WAIT_MS (24 * 3600 * 1000)
 #define BS_REPLY_SLACK_MS 30000          /* client waits this much past its GET timeout */
@@ -93,6 +97,7 @@ struct bs_server {
   struct srv_client **cl;
   int ncl, capcl;
   int64_t accept_pause_until; /* after EMFILE: back off instead of spinning */
+  int64_t linger_until;       /* release asked to stop: serve until then, or no client is left */
 };
 
 static void val_unref(struct bs_value *v) {
@@ -366,10 +371,14 @@ static void *server_main(void *arg) {
       cap = want;
     }
     int64_t now = now_ns(), wake = now + 1000 * 1000000LL;
+    if (s->linger_until) {
+      if (s->ncl == 0 || now >= s->linger_until) break;
+      if (s->linger_until < wake) wake = s->linger_until;
+    }
     int nf = 0;
-    pfd[nf++] = (struct pollfd){s->wake[0], POLLIN, 0};
+    pfd[nf++] = (struct pollfd){s->wake[0], s->linger_until ? 0 : POLLIN, 0};
     int lidx = -1;
-    if (s->ncl < BS_MAX_CLIENTS && now >= s->accept_pause_until) {
+    if (!s->linger_until && s->ncl < BS_MAX_CLIENTS && now >= s->accept_pause_until) {
       lidx = nf;
       pfd[nf++] = (struct pollfd){s->listen_fd, POLLIN, 0};
     } else if (s->accept_pause_until > now && s->accept_pause_until < wake) {
@@ -389,7 +398,12 @@ static void *server_main(void *arg) {
       nanosleep(&ts, NULL);
       continue;
     }
-    if (r > 0 && pfd[0].revents) break; /* release() asked us to stop */
+    if (r > 0 && pfd[0].revents) { /* release() asked us to stop: no new clients from now */
+      s->linger_until = now_ns() + BS_LINGER_MS * 1000000LL;
+      close(s->listen_fd);
+      s->listen_fd = -1;
+      lidx = -1;
+    }
     now = now_ns();
     for (int i = 0; i < ncl; i++) {
       struct srv_client *c = s->cl[i];

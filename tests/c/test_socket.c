@@ -495,11 +495,81 @@ static void test_bootstrap_single(void) {
   T(ms_now() - t0 >= 350);
 }
 
+/* Rank 0's release serves the ranks still connected until they release theirs, at most
+ * about a second (BS_LINGER_MS), and takes no new client meanwhile. The child is rank 1:
+ * it waits until rank 0 is about to release, stays stay_ms, then (unless it stays past the
+ * linger) uses the store once more and releases. */
+static void linger_child(int port, int stay_ms, int wfd) {
+  g_pass = g_fail = 0;
+  alarm(60);
+  chorus_bootstrap_t bs;
+  char addr[64], buf[8];
+  size_t len = 0;
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+  T(chorus_bootstrap_tcp(addr, 1, 2, 10000, &bs) == CHORUS_SUCCESS);
+  T(bs.set(bs.ctx, "up", "1", 1) == CHORUS_SUCCESS);
+  T(bs.get(bs.ctx, "releasing", buf, sizeof buf, &len, 10000) == CHORUS_SUCCESS);
+  sleep_ms(stay_ms);
+  int fd = raw_connect(port); /* rank 0 is releasing (or done): no new clients */
+  T(fd < 0);
+  if (fd >= 0) close(fd);
+  if (stay_ms < 500) { /* still served */
+    T(bs.set(bs.ctx, "late", "22", 2) == CHORUS_SUCCESS);
+    T(bs.get(bs.ctx, "late", buf, sizeof buf, &len, 1000) == CHORUS_SUCCESS && len == 2);
+  } else { /* the linger ran out: the server is gone */
+    fprintf(stderr, "(a warning that the server closed the connection is expected next)\n");
+    T(bs.set(bs.ctx, "late", "22", 2) != CHORUS_SUCCESS);
+  }
+  bs.release(bs.ctx);
+  int counts[2] = {g_pass, g_fail};
+  if (write(wfd, counts, sizeof counts) != (ssize_t)sizeof counts) _exit(3);
+  _exit(g_fail ? 1 : 0);
+}
+
+static void test_bootstrap_linger(int stay_ms, int64_t min_ms, int64_t max_ms) {
+  int port = free_port(), p[2];
+  T(port > 0 && pipe(p) == 0);
+  if (port <= 0) return;
+  pid_t pid = fork();
+  if (pid == 0) {
+    close(p[0]);
+    linger_child(port, stay_ms, p[1]);
+  }
+  close(p[1]);
+  T(pid > 0);
+  chorus_bootstrap_t bs;
+  char addr[64], buf[8];
+  size_t len = 0;
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+  T(chorus_bootstrap_tcp(addr, 0, 2, 10000, &bs) == CHORUS_SUCCESS);
+  T(bs.get(bs.ctx, "up", buf, sizeof buf, &len, 10000) == CHORUS_SUCCESS);
+  T(bs.set(bs.ctx, "releasing", "1", 1) == CHORUS_SUCCESS);
+  int64_t t0 = ms_now();
+  bs.release(bs.ctx);
+  int64_t took = ms_now() - t0;
+  T(took >= min_ms && took <= max_ms);
+  if (took < min_ms || took > max_ms)
+    fprintf(stderr, "release took %lld ms, expected %lld..%lld (child stays %d ms)\n",
+            (long long)took, (long long)min_ms, (long long)max_ms, stay_ms);
+  int fd = raw_connect(port); /* gone after release */
+  T(fd < 0);
+  if (fd >= 0) close(fd);
+  int counts[2] = {0, 0}, st = 0;
+  ssize_t n = read(p[0], counts, sizeof counts);
+  close(p[0]);
+  if (pid > 0) waitpid(pid, &st, 0);
+  T(n == (ssize_t)sizeof counts && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  g_pass += counts[0];
+  g_fail += counts[1];
+}
+
 int main(void) {
   signal(SIGPIPE, SIG_DFL); /* the library must never raise it */
   test_ifname();
   test_bootstrap_single();
   test_bootstrap_multi();
+  test_bootstrap_linger(300, 250, 950);   /* the child releases after 300 ms: served */
+  test_bootstrap_linger(2000, 900, 1900); /* the child stays connected: 1 s at most */
   printf("test_socket: %d passed, %d failed\n", g_pass, g_fail);
   return g_fail ? 1 : 0;
 }

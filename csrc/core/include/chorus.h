@@ -84,7 +84,10 @@ typedef struct chorus_bootstrap {
 
 /* The built-in TCP rendezvous for pure-C use: rank 0 serves a key/value store on
  * addr ("host:port"), every rank (0 included) is a client. Rank 0's server runs until
- * the bootstrap is released (after the last communicator built on it is destroyed). */
+ * the bootstrap is released (after the last communicator built on it is destroyed); its
+ * release then takes no new clients but serves the connected ones until every other rank
+ * has released its bootstrap or exited, for at most a second, so that a rank still
+ * destroying its communicator finds the store. */
 chorus_result_t chorus_bootstrap_tcp(const char *addr, int rank, int nranks, int timeout_ms,
                                      chorus_bootstrap_t *out);
 
