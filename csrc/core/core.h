@@ -76,7 +76,8 @@ int chorus_log_enabled(int level, int subsys);
     "when every rank's engine spins.")                                                        \
   X(SHM_SCRATCH, "SHM_SCRATCH", "size", "4M", 0,                                              \
     "Bytes of shared memory per rank for the same-host direct-access algorithms (oneshot, "  \
-    "twoshot); messages are processed in chunks of half of it.")                             \
+    "twoshot), rounded up to 8 KiB; messages are processed in chunks of half of it. 0, or "  \
+    "a half under 64 bytes per rank, turns them off (chorus.tune's plan too).")              \
   X(SHM_THREADS, "SHM_THREADS", "int", "-1", 0,                                             \
     "Threads per rank (the engine's own included) that split big same-host copies and "      \
     "reductions; -1: 3/4 of the cores the host's ranks may use (the union of their "         \
@@ -381,6 +382,8 @@ struct shm_flags {
 _Static_assert(sizeof(struct shm_fp) == 28 && offsetof(struct shm_flags, reduced) == 64,
                "the fingerprints must fill posted's cache line exactly");
 size_t shm_scratch_half(const struct chorus_comm *comm);  /* 0 without shm */
+/* The scratch a segment gets from CHORUS_SHM_SCRATCH: two page-aligned halves. */
+uint64_t shm_scratch_bytes(void);
 void *shm_scratch(struct chorus_comm *comm, int local, int half);
 struct shm_flags *shm_flags_of(struct chorus_comm *comm, int local);
 void shm_notify_local(struct chorus_comm *comm);          /* rings every local doorbell */

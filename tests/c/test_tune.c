@@ -523,6 +523,53 @@ static void test_plan_direct_cap(void) {
   }
 }
 
+/* Whether the plan of n ranks on one host offers, or chooses, oneshot or twoshot for any
+ * collective and size. */
+static void plan_direct(int n, int *offered, int *chosen) {
+  chorus_tune_plan_t plan;
+  chorus_tune_topology_t t = {n, n, 1, 0};
+  *offered = *chosen = 0;
+  for (size_t q = 0; q < NKINDS; q++)
+    for (size_t bytes = 8; bytes <= ((size_t)1 << 30); bytes *= 32) {
+      EXPECT(chorus_tune_plan(op_kind_name(kinds[q]), bytes, &t, "", CHORUS_TUNE_UNIMPLEMENTED,
+                              &plan) == CHORUS_SUCCESS,
+             "plan %d ranks: %s", n, chorus_comm_error(NULL));
+      for (int c = 0; c < plan.ncandidates; c++)
+        if (!strcmp(plan.candidates[c].algo, "oneshot") ||
+            !strcmp(plan.candidates[c].algo, "twoshot"))
+          *offered = 1;
+      if (!strcmp(plan.algo, "oneshot") || !strcmp(plan.algo, "twoshot")) *chosen = 1;
+    }
+}
+
+/* The plan reads CHORUS_SHM_SCRATCH as a segment would: a scratch half under 4 KiB (0) or
+ * under 64 bytes a rank makes the run refuse oneshot and twoshot (shm_direct_ok), so the plan
+ * must not offer them either. */
+static void test_plan_scratch(void) {
+  const struct {
+    const char *scratch;
+    int n, usable;
+  } cases[] = {{NULL, 8, 1},   {"0", 8, 0},    {"0", 2, 0},    {"8K", 8, 1},  {"8K", 64, 1},
+               {"8K", 65, 0},  {"16K", 65, 1}, {"16K", 129, 0}, {"6K", 64, 1}, {"1", 2, 1}};
+  /* (a segment rounds its scratch up to two pages: 6K and 1 byte give 4 KiB halves) */
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    if (cases[i].scratch) setenv("CHORUS_SHM_SCRATCH", cases[i].scratch, 1);
+    else unsetenv("CHORUS_SHM_SCRATCH");
+    param_reset_cache();
+    EXPECT(shm_direct_scratch_ok((size_t)(shm_scratch_bytes() / 2), cases[i].n) ==
+               cases[i].usable,
+           "CHORUS_SHM_SCRATCH=%s, %d ranks: scratch check says %d", cases[i].scratch,
+           cases[i].n, !cases[i].usable);
+    int offered, chosen;
+    plan_direct(cases[i].n, &offered, &chosen);
+    EXPECT(offered == cases[i].usable && (cases[i].usable || !chosen),
+           "CHORUS_SHM_SCRATCH=%s, %d ranks on one host: oneshot/twoshot offered %d, chosen %d",
+           cases[i].scratch ? cases[i].scratch : "(default)", cases[i].n, offered, chosen);
+  }
+  unsetenv("CHORUS_SHM_SCRATCH");
+  param_reset_cache();
+}
+
 /* CHORUS_ALGO / NCCL_ALGO at communicator creation, and forced algorithms at run time. */
 static void test_comm_env(void) {
   struct fake f;
@@ -633,6 +680,7 @@ int main(void) {
   test_plan_api();
   test_plan_spin_auto();
   test_plan_direct_cap();
+  test_plan_scratch();
   test_comm_env();
   printf("test_tune: %d checks, %d failed\n", checks, failures);
   return failures != 0;

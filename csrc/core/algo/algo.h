@@ -163,6 +163,9 @@ chorus_result_t oneshot_alltoall(struct chorus_comm *comm, struct op *op);
 chorus_result_t oneshot_barrier(struct chorus_comm *comm, struct op *op);
 /* Topology and shape checks of the two ids above. */
 int shm_direct_ok(const struct chorus_comm *comm, const struct op *op, int id);
+/* Whether a scratch half of `half` bytes serves nranks ranks (part of shm_direct_ok; the
+ * plan, which has no segment, asks it of CHORUS_SHM_SCRATCH's half). */
+int shm_direct_scratch_ok(size_t half, int nranks);
 /* Runs on the executing rank with every rank's descriptor (descs[rank], own included) and
  * writes the reply every rank receives. */
 typedef chorus_result_t (*delegate_fn)(struct chorus_comm *comm, struct op *op,

@@ -544,11 +544,15 @@ chorus_result_t shm_delegate(struct chorus_comm *comm, struct op *op, int exec, 
 }
 
 /* ------------------------------------------------------------------ usability */
+int shm_direct_scratch_ok(size_t half, int nranks) {
+  return half >= (size_t)nranks * 64 && half >= 4096;
+}
+
 int shm_direct_ok(const struct chorus_comm *comm, const struct op *op, int id) {
   if (!comm->shm || comm->nlocal != comm->nranks || comm->nranks > CHORUS_MAX_LOCAL_DIRECT)
     return 0;
   size_t half = op->on_device ? cuda_scratch_half(comm) : shm_scratch_half(comm);
-  if (half < (size_t)comm->nranks * 64 || half < 4096) return 0;
+  if (!shm_direct_scratch_ok(half, comm->nranks)) return 0;
   if (id == ALGO_TWOSHOT && op->kind != OP_ALLREDUCE) return 0;
   /* all-to-all: in-place with overlapping but unequal buffers is handled by the direct
    * algorithm */

@@ -971,9 +971,13 @@ chorus_result_t chorus_tune_plan(const char *collective, size_t bytes,
                            : spin_count_for(param_int(PARAM_SPIN_COUNT), topo->ranks_per_host,
                                             cores_usable()) > 0;
   uint32_t usable = 0, implemented = 0;
+  /* what the segment's scratch half would be: too small a CHORUS_SHM_SCRATCH makes the run
+   * refuse the direct-access algorithms (shm_direct_ok), so the plan leaves them out too */
+  int scratch_ok = shm_direct_scratch_ok((size_t)(shm_scratch_bytes() / 2), t.nranks);
   for (int id = 0; id < ALGO_COUNT; id++) {
     if (algo_table[id].run[k]) implemented |= 1u << id;
     if (!tune_topo_ok(&t, (enum op_kind)k, id)) continue;
+    if ((id == ALGO_ONESHOT || id == ALGO_TWOSHOT) && !scratch_ok) continue;
     if ((implemented & (1u << id)) || ((flags & CHORUS_TUNE_UNIMPLEMENTED) &&
                                        tune_cost(&model, &t, (enum op_kind)k, id, 0) >= 0))
       usable |= 1u << id;

@@ -269,8 +269,7 @@ chorus_result_t shm_setup(struct chorus_comm *comm) {
   if (ring < 4096) ring = 4096;
   ring = (ring + 4095) & ~(uint64_t)4095;
   st->ring_size = ring;
-  uint64_t scratch = (uint64_t)param_int(PARAM_SHM_SCRATCH);
-  scratch = (scratch + 8191) & ~(uint64_t)8191; /* two page-aligned halves */
+  uint64_t scratch = shm_scratch_bytes();
   st->scratch_size = scratch;
   size_t len = scratch_offset(nlocal, ring) + scratch;
 
@@ -387,6 +386,10 @@ void shm_teardown(struct chorus_comm *comm) {
 }
 
 /* ---------------------------------------------------------------- direct access */
+uint64_t shm_scratch_bytes(void) {
+  return ((uint64_t)param_int(PARAM_SHM_SCRATCH) + 8191) & ~(uint64_t)8191;
+}
+
 size_t shm_scratch_half(const struct chorus_comm *comm) {
   return comm->shm ? (size_t)(comm->shm->scratch_size / 2) : 0;
 }
