@@ -57,11 +57,12 @@ static double median_of(double *v, int n) {
  * (so every rank switches before the same call, and a run's order differs from the next
  * run's). A fixed pattern would alias with whatever repeats from call to call: with on, off,
  * off, on (ABBA) the A/A check below (identical code in both halves) gave 1.017-1.020 at 4
- * ranks; shuffled, it stays within 1% of 1. Built with -DCHORUS_FP_SWITCH the switch is real; in any other build the
- * "off" calls run with the fingerprint on as well, which times the method's own noise (an
- * A/A check). Every call is timed; rank 0 prints the mean time per call of each kind, their
- * ratio, and the medians. The two kinds share the run's placement and scheduling, which on
- * a small, oversubscribed machine move one run's time by up to 2x from run to run. */
+ * ranks; shuffled, it stays within 1% of 1. Built with -DCHORUS_FP_SWITCH the switch is
+ * real; in any other build the "off" calls run with the fingerprint on as well, which times
+ * the method's own noise (an A/A check). Every call is timed; rank 0 prints the mean time
+ * per call of each kind, their ratio, and the medians. The two kinds share the run's
+ * placement and scheduling, which on a small, oversubscribed machine move one run's time by
+ * up to 2x from run to run. */
 static int fp_ab(chorus_comm_t *c, int rank, float *in, float *out, size_t count, int iters,
                  int k, uint64_t *seed) {
   int blocks = (iters + 16 * k - 1) / (16 * k) * 16, half = blocks / 2 * k, m[2] = {0, 0};

@@ -498,31 +498,6 @@ static void test_plan_spin_auto(void) {
 /* One host with more ranks than the direct-access algorithms serve (shm_direct_ok refuses
  * them at run time): the plan must not offer oneshot or twoshot there, while one rank fewer
  * than the cap it still may. */
-static void test_plan_direct_cap(void) {
-  chorus_tune_plan_t plan;
-  const int ns[2] = {CHORUS_MAX_LOCAL_DIRECT, CHORUS_MAX_LOCAL_DIRECT + 1};
-  for (int i = 0; i < 2; i++) {
-    chorus_tune_topology_t t = {ns[i], ns[i], 1, 0};
-    int offered = 0;
-    for (size_t q = 0; q < NKINDS; q++)
-      for (size_t bytes = 8; bytes <= ((size_t)1 << 30); bytes *= 32) {
-        EXPECT(chorus_tune_plan(op_kind_name(kinds[q]), bytes, &t, "", CHORUS_TUNE_UNIMPLEMENTED,
-                                &plan) == CHORUS_SUCCESS,
-               "plan %d ranks: %s", ns[i], chorus_comm_error(NULL));
-        for (int c = 0; c < plan.ncandidates; c++)
-          if (!strcmp(plan.candidates[c].algo, "oneshot") ||
-              !strcmp(plan.candidates[c].algo, "twoshot"))
-            offered = 1;
-        if (i == 1)
-          EXPECT(strcmp(plan.algo, "oneshot") && strcmp(plan.algo, "twoshot"),
-                 "%d ranks on one host, %s %zu B: plan chose %s, which cannot run there", ns[i],
-                 op_kind_name(kinds[q]), bytes, plan.algo);
-      }
-    EXPECT(offered == (i == 0), "%d ranks on one host: oneshot/twoshot %soffered", ns[i],
-           offered ? "" : "not ");
-  }
-}
-
 /* Whether the plan of n ranks on one host offers, or chooses, oneshot or twoshot for any
  * collective and size. */
 static void plan_direct(int n, int *offered, int *chosen) {
@@ -540,6 +515,19 @@ static void plan_direct(int n, int *offered, int *chosen) {
           *offered = 1;
       if (!strcmp(plan.algo, "oneshot") || !strcmp(plan.algo, "twoshot")) *chosen = 1;
     }
+}
+
+static void test_plan_direct_cap(void) {
+  const int ns[2] = {CHORUS_MAX_LOCAL_DIRECT, CHORUS_MAX_LOCAL_DIRECT + 1};
+  for (int i = 0; i < 2; i++) {
+    int offered, chosen;
+    plan_direct(ns[i], &offered, &chosen);
+    if (i == 1)
+      EXPECT(!chosen, "%d ranks on one host: the plan chose oneshot/twoshot, which cannot run "
+             "there", ns[i]);
+    EXPECT(offered == (i == 0), "%d ranks on one host: oneshot/twoshot %soffered", ns[i],
+           offered ? "" : "not ");
+  }
 }
 
 /* The plan reads CHORUS_SHM_SCRATCH as a segment would: a scratch half under 4 KiB (0) or
